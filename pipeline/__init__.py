@@ -1,0 +1,1 @@
+"""The data, training and evaluation stages of the Transformer-base reproduction DAG."""

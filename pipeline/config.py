@@ -1,0 +1,319 @@
+"""One typed config tree for the whole DAG, read from TOML with `--section.key=value` overrides.
+
+Precedence: command line > config file > the defaults below. Unknown keys, wrong types and
+impossible values are errors that name the key (``ConfigError``).
+
+A field whose metadata says ``cache=False`` is operational (how many workers, how often to log):
+changing it never invalidates a cached stage. Everything else is part of a stage's cache key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key."""
+
+
+def op(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
+    """An operational field: not part of any cache key."""
+    return field(default=default, metadata={"cache": False}, **kw)
+
+
+@dataclass
+class DataConfig:
+    """Where the parallel text comes from and how it is cleaned (``download``, ``prepare``)."""
+
+    source: str = "wmt14"  # "wmt14" (the paper's data, §5.1) or "custom" (your own files below)
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    # Replaces http://statmt.org/ for every WMT14 file: a URL or a local folder with the same
+    # relative paths (wmt13/..., wmt14/...). Empty = the real statmt.org URLs.
+    mirror: str = ""
+    # source = "custom": plain-text files, one sentence per line (local paths or URLs, .gz ok).
+    train_src: list[str] = field(default_factory=list)
+    train_tgt: list[str] = field(default_factory=list)
+    dev_src: str = ""
+    dev_tgt: str = ""
+    test_src: str = ""
+    test_tgt: str = ""
+    # Cleaning (counted per rule, never silent). Lengths are whitespace words.
+    max_words: int = 250  # pairs with a longer side are dropped ("too_long")
+    max_length_ratio: float = 3.0  # drop if max(len)/min(len) exceeds this ("length_ratio"); §5.1 is silent
+    dedup: bool = False  # drop exact duplicate pairs ("duplicate")
+    # 0 = all. Keep only the first N training pairs of each corpus (local test mode).
+    max_pairs_per_corpus: int = 0
+    num_shards: int = 8  # Parquet shards per split written by prepare/encode
+    download_timeout_s: float = op(60.0)
+
+    def validate(self) -> None:
+        _check(self.source in ("wmt14", "custom"), "data.source", "must be 'wmt14' or 'custom'")
+        if self.source == "custom":
+            _check(bool(self.train_src) and len(self.train_src) == len(self.train_tgt),
+                   "data.train_src", "custom data needs train_src and train_tgt lists of equal length")
+            for k in ("dev_src", "dev_tgt", "test_src", "test_tgt"):
+                _check(bool(getattr(self, k)), f"data.{k}", "is required when data.source = 'custom'")
+        _check(self.max_words > 0, "data.max_words", "must be > 0")
+        _check(self.max_length_ratio >= 1.0, "data.max_length_ratio", "must be >= 1")
+        _check(self.max_pairs_per_corpus >= 0, "data.max_pairs_per_corpus", "must be >= 0")
+        _check(self.num_shards >= 1, "data.num_shards", "must be >= 1")
+
+
+@dataclass
+class VocabConfig:
+    """The shared SentencePiece model (``vocab``)."""
+
+    size: int = 37000  # §5.1: "a shared source-target vocabulary of about 37000 tokens"
+    model_type: str = "bpe"  # §5.1: byte-pair encoding
+    sample_sentences: int = 2_000_000  # deterministic sample of both sides used for training SPM
+    character_coverage: float = 1.0
+    seed: int = 1234
+    num_threads: int = op(2)
+
+    def validate(self) -> None:
+        _check(self.size >= 8, "vocab.size", "must be >= 8")
+        _check(self.model_type in ("bpe", "unigram"), "vocab.model_type", "must be 'bpe' or 'unigram'")
+        _check(self.sample_sentences > 0, "vocab.sample_sentences", "must be > 0")
+        _check(0.0 < self.character_coverage <= 1.0, "vocab.character_coverage", "must be in (0, 1]")
+
+
+@dataclass
+class ModelSection:
+    """The Transformer's sizes (Table 3, base); vocab_size and special ids come from ``vocab``."""
+
+    d_model: int = 512  # Table 3
+    d_ff: int = 2048  # Table 3
+    n_heads: int = 8  # Table 3
+    n_encoder_layers: int = 6  # Table 3
+    n_decoder_layers: int = 6  # Table 3
+    dropout: float = 0.1  # §5.4, P_drop
+    max_positions: int = 1024  # must cover the longest source + 50 at decode time
+
+    def validate(self) -> None:
+        for k in ("d_model", "d_ff", "n_heads", "n_encoder_layers", "n_decoder_layers", "max_positions"):
+            _check(getattr(self, k) > 0, f"model.{k}", "must be > 0")
+        _check(self.d_model % self.n_heads == 0, "model.d_model", "must be divisible by model.n_heads")
+        _check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+
+
+@dataclass
+class TrainConfig:
+    """The paper's training recipe (§5) on Ray Train (``train``)."""
+
+    num_workers: int = op(8)  # Ray Train workers (one per GPU); accumulation keeps tokens/step fixed
+    use_gpu: bool = op(True)
+    precision: str = op("bf16")  # "bf16" | "fp16" | "fp32"; fp32 is forced on CPU
+    max_tokens_per_batch: int = op(12500)  # per worker micro-batch cap (src or tgt tokens)
+    tokens_per_step: int = 25000  # §5.1: ~25000 target tokens per optimizer step
+    max_steps: int = 100_000  # §5.3: base model trained 100k steps
+    warmup_steps: int = 4000  # §5.3
+    lr_scale: float = 1.0  # multiplies the §5.3 formula
+    label_smoothing: float = 0.1  # §5.4, eps_ls
+    adam_beta1: float = 0.9  # §5.3
+    adam_beta2: float = 0.98  # §5.3
+    adam_eps: float = 1e-9  # §5.3
+    clip_norm: float = 0.0  # 0 = off (the paper does not clip)
+    max_len: int = 256  # drop training pairs with more pieces than this on either side (counted)
+    seed: int = 1
+    checkpoint_interval_steps: int = op(1000)
+    checkpoint_interval_s: float = op(0.0)  # 0 = only the step interval
+    keep_checkpoints: int = op(5)  # >= eval.average_last; §6.1 averages the last 5
+    eval_interval_steps: int = op(1000)
+    log_interval_steps: int = op(100)
+    max_failures: int = op(3)  # Ray Train FailureConfig: worker failures survived per run
+
+    def validate(self) -> None:
+        _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
+        _check(self.precision in ("bf16", "fp16", "fp32"), "train.precision", "must be bf16, fp16 or fp32")
+        _check(self.max_tokens_per_batch > 0, "train.max_tokens_per_batch", "must be > 0")
+        _check(self.tokens_per_step > 0, "train.tokens_per_step", "must be > 0")
+        _check(self.max_steps > 0, "train.max_steps", "must be > 0")
+        _check(self.warmup_steps > 0, "train.warmup_steps", "must be > 0")
+        _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
+        _check(self.clip_norm >= 0.0, "train.clip_norm", "must be >= 0")
+        _check(self.max_len > 0, "train.max_len", "must be > 0")
+        _check(self.checkpoint_interval_steps > 0, "train.checkpoint_interval_steps", "must be > 0")
+        _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+        _check(self.eval_interval_steps > 0, "train.eval_interval_steps", "must be > 0")
+        _check(self.log_interval_steps > 0, "train.log_interval_steps", "must be > 0")
+        _check(self.max_failures >= 0, "train.max_failures", "must be >= 0")
+
+
+@dataclass
+class EvalConfig:
+    """Averaging, beam search and scoring (``average``, ``translate``, ``score``; §6.1)."""
+
+    average_last: int = 5  # §6.1: "averaging the last 5 checkpoints"
+    beam_size: int = 4  # §6.1
+    alpha: float = 0.6  # §6.1, length penalty
+    max_len_a: float = 1.0  # §6.1: max output length = input length + 50
+    max_len_b: int = 50
+    batch_tokens: int = op(4000)  # source tokens per decoding batch
+    num_workers: int = op(1)  # Ray Data actors for translate (one per GPU)
+    use_gpu: bool = op(True)
+    splits: list[str] = field(default_factory=lambda: ["test"])  # "test" and/or "dev"
+
+    def validate(self) -> None:
+        _check(self.average_last >= 1, "eval.average_last", "must be >= 1")
+        _check(self.beam_size >= 1, "eval.beam_size", "must be >= 1")
+        _check(self.alpha >= 0.0, "eval.alpha", "must be >= 0")
+        _check(self.max_len_a >= 0 and self.max_len_b >= 1, "eval.max_len_b", "max length must be >= 1")
+        _check(self.batch_tokens > 0, "eval.batch_tokens", "must be > 0")
+        _check(self.num_workers >= 1, "eval.num_workers", "must be >= 1")
+        _check(bool(self.splits) and set(self.splits) <= {"test", "dev"}, "eval.splits",
+               "must be a non-empty subset of ['test', 'dev']")
+
+
+@dataclass
+class RunConfig:
+    """Where outputs go and how Ray is reached (never part of a cache key)."""
+
+    work_dir: str = op("work")  # local path, s3://..., gs://... or an NFS path; stages write under it
+    storage_path: str = op("")  # Ray Train checkpoints; "" = <work_dir>/ray_train
+    ray_address: str = op("")  # "" = connect to a running cluster if any, else start a local Ray
+    name: str = op("transformer-base")
+    data_num_cpus: float = op(1.0)  # CPUs per Ray Data task/actor (keep < all CPUs: ray#44687)
+    data_concurrency: int = op(1)  # Ray Data actors for encode
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow: a local SQLite store under the work dir unless a server is named."""
+
+    uri: str = op("")  # "" = $MLFLOW_TRACKING_URI, else sqlite:///<work_dir>/mlflow.db
+    experiment: str = op("transformer-wmt14-ende")
+    enabled: bool = op(True)
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def validate(self) -> "Config":
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                section.validate()
+        _check(self.train.keep_checkpoints >= self.eval.average_last, "train.keep_checkpoints",
+               f"must be >= eval.average_last ({self.eval.average_last}) so averaging has its checkpoints")
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def section_for_cache(self, name: str) -> dict[str, Any]:
+        """The values of one section that change a stage's output (``cache=False`` fields left out)."""
+        section = getattr(self, name)
+        return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+                if f.metadata.get("cache", True)}
+
+
+def _check(ok: bool, key: str, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {why}")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check (and, for strings from the command line, parse) a value against a field's type."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):  # from the command line: comma-separated
+            value = [v for v in value.split(",") if v] if value else []
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, str):
+            try:
+                return int(value.replace("_", ""))
+            except ValueError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__} {value!r}")
+
+
+def _apply(cfg: Config, values: dict[str, Any], origin: str) -> None:
+    hints = typing.get_type_hints(Config)
+    for section_name, section_values in values.items():
+        if section_name not in hints:
+            raise ConfigError(f"{section_name}: unknown config section in {origin} "
+                              f"(known: {', '.join(hints)})")
+        if not isinstance(section_values, dict):
+            raise ConfigError(f"{section_name}: expected a [table] in {origin}")
+        section = getattr(cfg, section_name)
+        field_types = typing.get_type_hints(type(section))
+        for key, value in section_values.items():
+            full = f"{section_name}.{key}"
+            if key not in field_types:
+                raise ConfigError(f"{full}: unknown config key in {origin} "
+                                  f"(known: {', '.join(field_types)})")
+            setattr(section, key, _coerce(value, field_types[key], full))
+
+
+def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
+    """``["--train.max_steps=10", ...]`` -> ``{"train": {"max_steps": "10"}}``."""
+    out: dict[str, dict[str, str]] = {}
+    for arg in args:
+        body = arg[2:] if arg.startswith("--") else arg
+        if "=" not in body or "." not in body.split("=", 1)[0]:
+            raise ConfigError(f"{arg}: overrides look like --section.key=value")
+        dotted, value = body.split("=", 1)
+        section, key = dotted.split(".", 1)
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file, then ``--section.key=value`` overrides; validated."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"--config: no such file {path}")
+        with path.open("rb") as f:
+            try:
+                data = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{path}: not valid TOML ({e})") from e
+        _apply(cfg, data, str(path))
+    if overrides:
+        _apply(cfg, parse_overrides(overrides), "the command line")
+    return cfg.validate()
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a Config from ``to_dict()`` output (e.g. inside Ray workers)."""
+    cfg = Config()
+    _apply(cfg, data, "a config dict")
+    return cfg.validate()
+

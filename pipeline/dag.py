@@ -1,0 +1,53 @@
+"""The DAG, as a table: download -> prepare -> vocab -> encode -> train -> average -> translate -> score.
+
+Each row names the config values that go into the stage's cache key and the stages it reads.
+The ``outputs`` each stage records in its manifest (what downstream stages rely on) are listed
+in ``docs/stages.md``.
+"""
+
+from __future__ import annotations
+
+from pipeline.stage import Stage
+
+_DATA_SOURCE = ("data.source", "data.src_lang", "data.tgt_lang", "data.mirror",
+                "data.train_src", "data.train_tgt", "data.dev_src", "data.dev_tgt",
+                "data.test_src", "data.test_tgt")
+_CLEANING = ("data.max_words", "data.max_length_ratio", "data.dedup",
+             "data.max_pairs_per_corpus", "data.num_shards")
+
+STAGES: tuple[Stage, ...] = (
+    Stage("download", "1", _DATA_SOURCE, (), "pipeline.download:run", checksum_files=False),
+    Stage("prepare", "1", _CLEANING, ("download",), "pipeline.prepare:run"),
+    Stage("vocab", "1", ("vocab",), ("prepare",), "pipeline.vocab:run"),
+    Stage("encode", "1", (), ("prepare", "vocab"), "pipeline.encode:run"),
+    Stage("train", "1", ("model", "train"), ("encode", "vocab"), "pipeline.train:run",
+          resumable=True, checksum_files=False),
+    Stage("average", "1", ("eval.average_last",), ("train",), "pipeline.average:run"),
+    Stage("translate", "1", ("eval.beam_size", "eval.alpha", "eval.max_len_a", "eval.max_len_b",
+                             "eval.splits"), ("average", "encode", "vocab"), "pipeline.translate:run"),
+    Stage("score", "1", ("eval.splits",), ("translate", "encode"), "pipeline.score:run"),
+)
+
+BY_NAME = {s.name: s for s in STAGES}
+ORDER = [s.name for s in STAGES]
+
+
+def downstream(name: str) -> list[str]:
+    """``name`` and every stage that (transitively) reads it, in DAG order."""
+    out = {name}
+    for s in STAGES:
+        if any(u in out for u in s.upstream):
+            out.add(s.name)
+    return [n for n in ORDER if n in out]
+
+
+def upstream_closure(name: str) -> list[str]:
+    """Every stage ``name`` (transitively) reads, in DAG order, without ``name`` itself."""
+    out: set[str] = set()
+    todo = list(BY_NAME[name].upstream)
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo.extend(BY_NAME[n].upstream)
+    return [n for n in ORDER if n in out]

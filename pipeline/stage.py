@@ -1,0 +1,132 @@
+"""What a stage is: a function ``run(ctx) -> StageResult`` over paths, plus what its cache key reads.
+
+The DAG itself (which stages, in which order, reading what) is the table in ``pipeline/dag.py``.
+The runner (``workflows/runner.py``) computes keys, decides what runs, gives each running stage a
+fresh output folder ``<work_dir>/<stage>/<key>/`` and writes the stage's manifest there last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from pipeline.config import Config
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "_manifest.json"
+
+
+class NotImplementedStage(RuntimeError):
+    """The stage exists in the DAG but has no implementation yet: it is reported, never faked."""
+
+
+class Tracker(Protocol):
+    """What a stage may log (the runner gives it an MLflow-backed one, tests may give a fake)."""
+
+    run_id: str | None
+    tracking_uri: str | None
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def log_text(self, text: str, artifact_file: str) -> None: ...
+    def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None: ...
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+
+
+class NullTracker:
+    """Logs nothing (tracking disabled, and unit tests)."""
+
+    run_id = None
+    tracking_uri = None
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        pass
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        pass
+
+    def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None:
+        pass
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
+
+@dataclass
+class Manifest:
+    """A finished stage: where its files are, and what it recorded about them."""
+
+    stage: str
+    key: str
+    dir: str  # URI of <work_dir>/<stage>/<key>
+    outputs: dict[str, Any]  # stage-specific, JSON-able (file lists, ids, paths)
+    metrics: dict[str, float] = field(default_factory=dict)
+    files: list[dict[str, Any]] = field(default_factory=list)  # [{path, bytes, sha256}]
+    extra: dict[str, Any] = field(default_factory=dict)  # config, upstream keys, timings, versions
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+@dataclass
+class StageContext:
+    """Everything a running stage gets."""
+
+    name: str
+    key: str
+    cfg: Config
+    out_dir: str  # URI, empty when a stage starts (except resumable ones, e.g. train)
+    inputs: dict[str, Manifest]  # upstream stage name -> its manifest
+    tracker: Any = field(default_factory=NullTracker)
+
+
+@dataclass
+class StageResult:
+    outputs: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    version: str  # bump when the stage's code changes its output
+    reads: tuple[str, ...]  # config sections ("vocab") or single keys ("data.mirror") in the key
+    upstream: tuple[str, ...]
+    impl: str  # "module:function", imported only when the stage runs
+    resumable: bool = False  # keep a partial output folder on rerun (train resumes from it)
+    checksum_files: bool = True  # sha256 every output file in the manifest
+
+    def load(self) -> Callable[[StageContext], StageResult]:
+        module_name, func_name = self.impl.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name == module_name:
+                raise NotImplementedStage(f"stage '{self.name}' is not implemented ({module_name} missing)") from e
+            raise
+        fn = getattr(module, func_name, None)
+        if fn is None:
+            raise NotImplementedStage(f"stage '{self.name}' is not implemented ({self.impl} missing)")
+        return fn
+
+    def key_material(self, cfg: Config) -> dict[str, Any]:
+        """The config values this stage reads (operational ``cache=False`` fields left out)."""
+        out: dict[str, Any] = {}
+        for item in self.reads:
+            if "." in item:
+                section, key = item.split(".", 1)
+                out[item] = cfg.section_for_cache(section)[key]
+            else:
+                out[item] = cfg.section_for_cache(item)
+        return out

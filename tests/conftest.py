@@ -1,0 +1,50 @@
+"""Shared fixtures: the offline WMT14 mirror, a local Ray, small configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# The mirror is passed by .ci/run / the Makefile; the fallback is the sibling shared/ folder.
+_DEFAULT_SHARED = REPO.parent / "shared" / "data"
+
+
+def _dir_from_env(var: str, fallback: Path) -> Path | None:
+    value = os.environ.get(var)
+    path = Path(value) if value else fallback
+    return path if path.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def mirror_dir() -> Path:
+    """The offline stand-in for statmt.org (real archive layouts, sampled data)."""
+    path = _dir_from_env("WMT14_MIRROR", _DEFAULT_SHARED / "statmt-mirror")
+    if path is None:
+        pytest.skip("WMT14_MIRROR is not set and ../shared/data/statmt-mirror is absent: "
+                    "this test needs the offline WMT14 mirror (see README, 'Tests')")
+    return path
+
+
+@pytest.fixture(scope="session")
+def wmt14_dir() -> Path:
+    """Plain-text newstest2013/2014 and training samples (shared/data/wmt14)."""
+    path = _dir_from_env("WMT14_DATA", _DEFAULT_SHARED / "wmt14")
+    if path is None:
+        pytest.skip("WMT14_DATA is not set and ../shared/data/wmt14 is absent: "
+                    "this test needs the WMT14 test files (see README, 'Tests')")
+    return path
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the whole test session (2 CPUs, no dashboard), shut down at the end."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    yield ray
+    ray.shutdown()

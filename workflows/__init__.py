@@ -1,0 +1,1 @@
+"""The DAG runner and its entry points."""

@@ -1,0 +1,117 @@
+"""Reproduce Transformer base (Vaswani et al., 2017) on WMT14 EN-DE, as one cached DAG on Ray.
+
+    python workflows/reproduce_base.py --config configs/local.toml [--section.key=value ...]
+    ray job submit --working-dir . -- python workflows/reproduce_base.py --config configs/base.toml
+
+Flags: --plan (print what would run and why), --only STAGE, --from STAGE, --force STAGE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python workflows/reproduce_base.py` puts workflows/ first, not the repo
+    sys.path.insert(0, str(REPO))
+
+from pipeline import storage  # noqa: E402
+from pipeline.config import ConfigError, load_config  # noqa: E402
+from pipeline.dag import ORDER  # noqa: E402
+from pipeline.stage import NotImplementedStage  # noqa: E402
+from workflows import runner  # noqa: E402
+from workflows.lock import WorkDirBusy, WorkDirLock  # noqa: E402
+
+log = logging.getLogger("reproduce_base")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="TOML file (configs/base.toml, configs/local.toml, ...)")
+    p.add_argument("--plan", action="store_true", help="print each stage as cached / to run and why; run nothing")
+    p.add_argument("--only", choices=ORDER, help="run just this stage (its inputs must be cached)")
+    p.add_argument("--from", dest="from_", choices=ORDER, help="rerun this stage and everything after it")
+    p.add_argument("--force", choices=ORDER, action="append", default=[],
+                   help="rerun this stage (and what depends on it) even if cached; repeatable")
+    args, rest = p.parse_known_args(argv)
+    bad = [a for a in rest if not (a.startswith("--") and "=" in a and "." in a.split("=", 1)[0])]
+    if bad:
+        p.error(f"unrecognized arguments: {' '.join(bad)} (config overrides look like --section.key=value)")
+    if args.only and (args.from_ or args.force):
+        p.error("--only cannot be combined with --from/--force")
+    return args, rest
+
+
+def start_ray(cfg) -> bool:
+    """Connect to the cluster of a submitted job, or the one named; else start a local Ray.
+
+    Returns True when this process started Ray (and so must stop it).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    ray.init(runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=True)
+    return True
+
+
+def preflight(cfg) -> None:
+    """Clear errors before any GPU time: the work dir is writable, tracking answers."""
+    from pipeline import tracking
+
+    probe = storage.join(storage.absolute(cfg.run.work_dir), ".write_probe")
+    try:
+        storage.write_text(probe, "ok")
+        storage.rmtree(probe)
+    except OSError as e:
+        raise ConfigError(f"run.work_dir: cannot write to {cfg.run.work_dir} ({e}); "
+                          "check the path or the object store's credentials/endpoint") from e
+    if cfg.tracking.enabled:
+        tracking.check_reachable(tracking.tracking_uri_for(cfg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, overrides)
+        plans = runner.make_plan(cfg, only=args.only, from_=args.from_, force=tuple(args.force))
+    except (ConfigError, runner.PlanError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(runner.format_plan(plans), flush=True)
+    if args.plan:
+        return 0
+    if all(p.action != "run" for p in plans):
+        log.info("every selected stage is cached: nothing to run")
+    from pipeline.tracking import Tracking
+
+    started_ray = False
+    try:
+        preflight(cfg)
+        with WorkDirLock(cfg.run.work_dir):
+            if any(p.action == "run" for p in plans):
+                started_ray = start_ray(cfg)
+            tracking = Tracking(cfg)
+            with tracking.parent_run({"config_file": str(args.config), "argv": " ".join(sys.argv[1:])}):
+                runner.execute(cfg, plans, tracking)
+    except (ConfigError, WorkDirBusy, ConnectionError, NotImplementedStage) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

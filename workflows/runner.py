@@ -1,0 +1,217 @@
+"""The DAG runner: cache keys, the plan (what runs and why), and running the stages in order.
+
+A stage's key hashes its name, version, the config values it reads and its upstream keys. Its
+outputs live in ``<work_dir>/<stage>/<key>/`` and it is done only when ``_manifest.json`` (written
+last, atomically) is there, records the same key, and records the upstream manifests it was built
+from. A half-written stage is never taken as done; a stage whose upstream was rerun is stale.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline import storage
+from pipeline.config import Config
+from pipeline.dag import BY_NAME, ORDER, STAGES, downstream
+from pipeline.stage import MANIFEST, Manifest, NotImplementedStage, Stage, StageContext
+
+log = logging.getLogger(__name__)
+
+LATEST = "_latest.json"  # <work_dir>/<stage>/_latest.json: the last key run, to explain changes
+
+
+class PlanError(RuntimeError):
+    """The requested selection cannot run (e.g. ``--only`` without cached inputs)."""
+
+
+@dataclass
+class StagePlan:
+    stage: Stage
+    key: str
+    out_dir: str
+    action: str  # "cached" | "run" | "skip"
+    reason: str
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def compute_keys(cfg: Config) -> dict[str, str]:
+    keys: dict[str, str] = {}
+    for s in STAGES:
+        material = {"stage": s.name, "version": s.version, "config": s.key_material(cfg),
+                    "upstream": {u: keys[u] for u in s.upstream}}
+        keys[s.name] = _digest(material)[:16]
+    return keys
+
+
+def stage_dir(cfg: Config, stage: str, key: str) -> str:
+    return storage.join(storage.absolute(cfg.run.work_dir), stage, key)
+
+
+def manifest_digest(m: Manifest) -> str:
+    """What downstream stages remember of an upstream manifest, to notice a rerun."""
+    return _digest({"key": m.key, "outputs": m.outputs, "files": m.files})
+
+
+def read_manifest(out_dir: str, key: str) -> Manifest | None:
+    uri = storage.join(out_dir, MANIFEST)
+    try:
+        data = storage.read_json(uri)
+    except (FileNotFoundError, OSError, json.JSONDecodeError):
+        return None
+    if data.get("key") != key:
+        return None
+    return Manifest.from_dict(data)
+
+
+def _changed_keys(cfg: Config, stage: Stage) -> str:
+    """Name the config values that changed since this stage last ran (from its _latest.json)."""
+    try:
+        latest = storage.read_json(storage.join(storage.absolute(cfg.run.work_dir), stage.name, LATEST))
+    except (FileNotFoundError, OSError, json.JSONDecodeError):
+        return "never ran with this config"
+    before, now = latest.get("config", {}), stage.key_material(cfg)
+    changes = []
+    for item, value in now.items():
+        old = before.get(item)
+        if isinstance(value, dict) and isinstance(old, dict):
+            changes += [f"{item}.{k}: {old.get(k)!r} -> {v!r}" for k, v in value.items() if old.get(k) != v]
+        elif old != value:
+            changes.append(f"{item}: {old!r} -> {value!r}")
+    return "config changed (" + "; ".join(changes) + ")" if changes else "an upstream stage's key changed"
+
+
+def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
+              force: tuple[str, ...] = ()) -> list[StagePlan]:
+    for name in (only, from_, *force):
+        if name is not None and name not in BY_NAME:
+            raise PlanError(f"unknown stage '{name}' (stages: {', '.join(ORDER)})")
+    keys = compute_keys(cfg)
+    forced: dict[str, str] = {}
+    for f in force:
+        for d in downstream(f):
+            forced.setdefault(d, f"forced (--force {f})" if d == f else f"downstream of forced '{f}'")
+    if from_:
+        for d in downstream(from_):
+            forced.setdefault(d, f"--from {from_}")
+    if only:
+        forced.setdefault(only, f"--only {only}")
+    selected = [only] if only else (downstream(from_) if from_ else ORDER)
+
+    plans: list[StagePlan] = []
+    digests: dict[str, str | None] = {}  # current upstream manifest digests (None = will rerun)
+    for s in STAGES:
+        out_dir = stage_dir(cfg, s.name, keys[s.name])
+        manifest = read_manifest(out_dir, keys[s.name])
+        recorded = (manifest.extra.get("upstream_digests", {}) if manifest else {})
+        stale = [u for u in s.upstream if digests.get(u) is None or recorded.get(u) != digests[u]]
+        if s.name in forced and s.name in selected:
+            action, reason = "run", forced[s.name]
+        elif manifest is None:
+            action, reason = "run", _changed_keys(cfg, s) if s.name in selected else "not cached"
+        elif stale:
+            action, reason = "run", f"stale: upstream {', '.join(stale)} changed since it ran"
+        else:
+            action, reason = "cached", f"done ({manifest.extra.get('finished', '?')})"
+        if s.name not in selected and action == "run":
+            action = "skip"
+        plans.append(StagePlan(s, keys[s.name], out_dir, action, reason))
+        digests[s.name] = manifest_digest(manifest) if (manifest and action == "cached") else None
+    _check_inputs(plans, selected)
+    return plans
+
+
+def _check_inputs(plans: list[StagePlan], selected: list[str]) -> None:
+    """Stages outside the selection are not run for you: their outputs must already exist."""
+    by_name = {p.stage.name: p for p in plans}
+    needed: set[str] = set()
+    for p in plans:
+        if p.action == "run":
+            needed.update(p.stage.upstream)
+    for name in sorted(needed, key=ORDER.index):
+        p = by_name[name]
+        if p.action == "skip":
+            raise PlanError(
+                f"stage '{name}' has no usable cached output for this config (key {p.key}: {p.reason}), "
+                f"and {', '.join(s for s in selected)} needs it; run without --only, or with --from {name}")
+
+
+def format_plan(plans: list[StagePlan]) -> str:
+    width = max(len(p.stage.name) for p in plans)
+    rows = [f"{'stage':<{width}}  {'key':<16}  {'action':<7}  why"]
+    for p in plans:
+        rows.append(f"{p.stage.name:<{width}}  {p.key:<16}  {p.action:<7}  {p.reason}")
+    return "\n".join(rows)
+
+
+def _file_list(out_dir: str, checksum: bool) -> list[dict[str, Any]]:
+    files = []
+    for rel, size in storage.list_files(out_dir):
+        if rel == MANIFEST or rel.rsplit("/", 1)[-1].startswith("."):
+            continue
+        entry: dict[str, Any] = {"path": rel, "bytes": size}
+        if checksum:
+            entry["sha256"] = storage.sha256(storage.join(out_dir, rel))
+        files.append(entry)
+    return files
+
+
+def run_stage(cfg: Config, p: StagePlan, inputs: dict[str, Manifest], tracker) -> Manifest:
+    fn = p.stage.load()
+    if not p.stage.resumable:
+        storage.rmtree(p.out_dir)
+    storage.makedirs(p.out_dir)
+    started = time.time()
+    log.info("stage %s: running (key %s) -> %s", p.stage.name, p.key, p.out_dir)
+    result = fn(StageContext(p.stage.name, p.key, cfg, p.out_dir, inputs, tracker))
+    wall_s = time.time() - started
+    files = _file_list(p.out_dir, p.stage.checksum_files)
+    manifest = Manifest(
+        stage=p.stage.name, key=p.key, dir=p.out_dir, outputs=result.outputs,
+        metrics=dict(result.metrics), files=files,
+        extra={"version": p.stage.version, "config": p.stage.key_material(cfg),
+               "resolved_config": cfg.to_dict(),
+               "upstream_keys": {u: inputs[u].key for u in p.stage.upstream},
+               "upstream_digests": {u: manifest_digest(inputs[u]) for u in p.stage.upstream},
+               "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+               "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": round(wall_s, 3)})
+    storage.write_json(storage.join(p.out_dir, MANIFEST), manifest.to_dict())  # last: marks done
+    storage.write_json(storage.join(storage.absolute(cfg.run.work_dir), p.stage.name, LATEST),
+                       {"key": p.key, "config": p.stage.key_material(cfg)})
+    log.info("stage %s: done in %.1f s (%d files)", p.stage.name, wall_s, len(files))
+    return manifest
+
+
+def execute(cfg: Config, plans: list[StagePlan], tracking) -> dict[str, Manifest]:
+    """Run the plan in order; returns the manifests of every cached or finished stage."""
+    manifests: dict[str, Manifest] = {}
+    for p in plans:
+        if p.action == "skip":
+            continue
+        params = p.stage.key_material(cfg)
+        if p.action == "cached":
+            manifests[p.stage.name] = read_manifest(p.out_dir, p.key)
+            with tracking.stage_run(p.stage.name, p.key, cached=True, params=params) as t:
+                t.log_metrics(manifests[p.stage.name].metrics)
+            log.info("stage %s: cached (key %s)", p.stage.name, p.key)
+            continue
+        try:
+            p.stage.load()
+        except NotImplementedStage as e:
+            log.error("%s; stopping here (nothing after it runs)", e)
+            raise
+        inputs = {u: manifests[u] for u in p.stage.upstream}
+        with tracking.stage_run(p.stage.name, p.key, cached=False, params=params) as t:
+            m = run_stage(cfg, p, inputs, t)
+            t.log_metrics({**m.metrics, "stage/wall_s": m.extra["wall_s"]})
+            t.log_text(json.dumps(m.to_dict(), indent=2, default=str), "manifest.json")
+        tracking.parent.log_metrics(m.metrics)
+        manifests[p.stage.name] = m
+    return manifests
