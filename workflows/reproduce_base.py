@@ -3,7 +3,7 @@
     python workflows/reproduce_base.py --config configs/local.toml [--section.key=value ...]
     ray job submit --working-dir . -- python workflows/reproduce_base.py --config configs/base.toml
 
-Flags: --plan (print what would run and why), --only STAGE, --from STAGE, --force STAGE.
+Flags: --plan (print what would run and why), --only STAGE, --from STAGE, --to STAGE, --force STAGE.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--plan", action="store_true", help="print each stage as cached / to run and why; run nothing")
     p.add_argument("--only", choices=ORDER, help="run just this stage (its inputs must be cached)")
     p.add_argument("--from", dest="from_", choices=ORDER, help="rerun this stage and everything after it")
+    p.add_argument("--to", choices=ORDER, help="stop after this stage (e.g. --to encode prepares the data only)")
     p.add_argument("--force", choices=ORDER, action="append", default=[],
                    help="rerun this stage (and what depends on it) even if cached; repeatable")
     args, rest = p.parse_known_args(argv)
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, overrides)
-        plans = runner.make_plan(cfg, only=args.only, from_=args.from_, force=tuple(args.force))
+        plans = runner.make_plan(cfg, only=args.only, from_=args.from_, force=tuple(args.force), to=args.to)
     except (ConfigError, runner.PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

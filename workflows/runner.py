@@ -17,7 +17,7 @@ from typing import Any
 
 from pipeline import storage
 from pipeline.config import Config
-from pipeline.dag import BY_NAME, ORDER, STAGES, downstream
+from pipeline.dag import BY_NAME, ORDER, STAGES, downstream, upstream_closure
 from pipeline.stage import MANIFEST, Manifest, NotImplementedStage, Stage, StageContext
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,8 @@ def _changed_keys(cfg: Config, stage: Stage) -> str:
 
 
 def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
-              force: tuple[str, ...] = ()) -> list[StagePlan]:
-    for name in (only, from_, *force):
+              force: tuple[str, ...] = (), to: str | None = None) -> list[StagePlan]:
+    for name in (only, from_, to, *force):
         if name is not None and name not in BY_NAME:
             raise PlanError(f"unknown stage '{name}' (stages: {', '.join(ORDER)})")
     keys = compute_keys(cfg)
@@ -104,6 +104,8 @@ def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
     if only:
         forced.setdefault(only, f"--only {only}")
     selected = [only] if only else (downstream(from_) if from_ else ORDER)
+    if to:
+        selected = [n for n in selected if n in (*upstream_closure(to), to)]
 
     plans: list[StagePlan] = []
     digests: dict[str, str | None] = {}  # current upstream manifest digests (None = will rerun)

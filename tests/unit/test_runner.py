@@ -133,3 +133,9 @@ def test_second_driver_on_the_same_work_dir_is_refused(tmp_path):
                 pass
     with WorkDirLock(str(tmp_path)):  # released on exit
         pass
+
+
+def test_to_stops_after_the_named_stage(tmp_path, calls):
+    actions = run_all(cfg_for(tmp_path), to="encode")
+    assert calls == ["download", "prepare", "vocab", "encode"]
+    assert actions["train"] == "skip"

@@ -1,0 +1,49 @@
+# One entry point. `make run` = the whole DAG in local single-node mode; `make test` = the tests.
+PYTHON ?= python3
+VENV ?= .venv
+# PyPI's Linux wheel of torch 2.13.0 is the CUDA build; set TORCH_SPEC (e.g. add
+# --index-url https://download.pytorch.org/whl/cu128) to pick another build.
+TORCH_SPEC ?= torch==2.13.0
+# The offline WMT14 stand-in (tests, CI, air-gapped machines); unset = the real statmt.org URLs.
+SHARED_MIRROR := $(abspath ../shared/data/statmt-mirror)
+WMT14_MIRROR ?= $(if $(wildcard $(SHARED_MIRROR)),$(SHARED_MIRROR),)
+export WMT14_MIRROR
+CONFIG ?= configs/local.toml
+ARGS ?=
+BIN := $(VENV)/bin
+
+.PHONY: install run plan test test-unit ui bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -e '.[test]'
+	touch $@
+
+run: install
+	$(BIN)/python workflows/reproduce_base.py --config $(CONFIG) $(if $(WMT14_MIRROR),--data.mirror=$(WMT14_MIRROR),) $(ARGS)
+
+plan: install
+	$(BIN)/python workflows/reproduce_base.py --config $(CONFIG) $(if $(WMT14_MIRROR),--data.mirror=$(WMT14_MIRROR),) --plan $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest tests
+
+test-unit: install
+	$(BIN)/python -m pytest tests/unit -m "not slow"
+
+ui: install
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath work/local/mlflow.db) --host 127.0.0.1 --port 5000
+
+bench: install
+	$(BIN)/python -m pip install -e '.[test,bench]'
+	$(BIN)/python benchmarks/model_bench.py
+	$(BIN)/python benchmarks/data_bench.py
+	$(BIN)/python benchmarks/train_bench.py
+	$(BIN)/python benchmarks/decode_bench.py
+
+clean:
+	rm -rf work
