@@ -10,6 +10,7 @@ changing it never invalidates a cached stage. Everything else is part of a stage
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -158,6 +159,9 @@ class EvalConfig:
     num_workers: int = op(1)  # Ray Data actors for translate (one per GPU)
     use_gpu: bool = op(True)
     splits: list[str] = field(default_factory=lambda: ["test"])  # "test" and/or "dev"
+    # 0 = every sentence. Otherwise decode and score only the first N sentences of each split:
+    # for smoke tests; the report says so, and such a score is not comparable with the paper's.
+    max_sentences: int = 0
 
     def validate(self) -> None:
         _check(self.average_last >= 1, "eval.average_last", "must be >= 1")
@@ -166,6 +170,7 @@ class EvalConfig:
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, "eval.max_len_b", "max length must be >= 1")
         _check(self.batch_tokens > 0, "eval.batch_tokens", "must be > 0")
         _check(self.num_workers >= 1, "eval.num_workers", "must be >= 1")
+        _check(self.max_sentences >= 0, "eval.max_sentences", "must be >= 0 (0 = all)")
         _check(bool(self.splits) and set(self.splits) <= {"test", "dev"}, "eval.splits",
                "must be a non-empty subset of ['test', 'dev']")
 
@@ -208,7 +213,18 @@ class Config:
                 section.validate()
         _check(self.train.keep_checkpoints >= self.eval.average_last, "train.keep_checkpoints",
                f"must be >= eval.average_last ({self.eval.average_last}) so averaging has its checkpoints")
+        self._check_no_credentials()
         return self
+
+    def _check_no_credentials(self) -> None:
+        """Config values are logged to MLflow and saved beside every output: no secrets in them."""
+        for section, values in self.to_dict().items():
+            for key, value in values.items():
+                for v in value if isinstance(value, list) else [value]:
+                    _check(not (isinstance(v, str) and _CREDENTIALS_IN_URI.match(v)), f"{section}.{key}",
+                           "embeds credentials in a URI (scheme://user:secret@...); give them through "
+                           "the environment instead (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+                           "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, ...)")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -218,6 +234,10 @@ class Config:
         section = getattr(self, name)
         return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
                 if f.metadata.get("cache", True)}
+
+
+# scheme://<anything but / ? # @>@...: a user, a key or a user:secret pair before the host.
+_CREDENTIALS_IN_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s]+@")
 
 
 def _check(ok: bool, key: str, why: str) -> None:

@@ -24,8 +24,9 @@ STAGES: tuple[Stage, ...] = (
           resumable=True, checksum_files=False),
     Stage("average", "1", ("eval.average_last",), ("train",), "pipeline.average:run"),
     Stage("translate", "1", ("eval.beam_size", "eval.alpha", "eval.max_len_a", "eval.max_len_b",
-                             "eval.splits"), ("average", "encode", "vocab"), "pipeline.translate:run"),
-    Stage("score", "1", ("eval.splits",), ("translate", "encode"), "pipeline.score:run"),
+                             "eval.splits", "eval.max_sentences"), ("average", "encode", "vocab"),
+          "pipeline.translate:run"),
+    Stage("score", "1", ("eval.splits", "eval.max_sentences"), ("translate", "encode"), "pipeline.score:run"),
 )
 
 BY_NAME = {s.name: s for s in STAGES}

@@ -44,7 +44,7 @@ def ray_local():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     yield ray
     ray.shutdown()

@@ -1,0 +1,184 @@
+"""Sentences/s of the translate stage (Ray Data, 1..N workers) vs ``beam_search`` in a plain loop.
+
+Both decode the same planned batches (same length-sorted, token-bounded batches, same model,
+same beam settings), so the ratio is the cost of Ray Data: actor start-up and model load,
+moving batches in and results out. The fair comparison on a CPU box is one torch thread per
+worker against a plain loop on one thread: ``ray/plain`` per worker should be >= 0.9 and
+the Ray figure should grow near-linearly with workers while workers <= free cores.
+
+The Ray time is the whole ``translate_rows`` call (actors started and models loaded inside
+it). A one-sentence probe run measures that fixed start-up, and "steady" figures leave it out
+(a real test set decodes for minutes, so start-up is noise there). On a shared, busy box wall
+times mostly measure the neighbours, so the actors' own CPU seconds (``TimedTranslator``) are
+reported too: ``actor_cpu_vs_plain_cpu`` near 1.0 means Ray adds no per-sentence cost.
+
+    .venv/bin/python benchmarks/decode_bench.py [--num-sentences 300] [--repeats 2] [--workers 1,2] [--out bench.json]
+
+The model is random (it never predicts eos, so every sentence decodes its full a*S+b budget:
+a steady, comparable workload); its sizes are small so that a 2-core machine finishes in a
+few minutes. Hypotheses of the plain loop and of every Ray run are checked to be identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from model import ModelConfig, Transformer  # noqa: E402
+from pipeline import translate  # noqa: E402
+
+log = logging.getLogger("decode_bench")
+
+
+def make_assets(root: Path, data: Path, num_sentences: int, model_cfg: dict) -> dict:
+    """A SentencePiece model, a random model and the encoded newstest2014 head as one Parquet file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import sentencepiece as spm
+
+    lines = []
+    for lang in ("en", "de"):
+        lines += (data / f"newstest2013.{lang}").read_text(encoding="utf-8").splitlines()[:1500]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(root / "spm"),
+                                   vocab_size=2000, model_type="bpe", character_coverage=1.0, pad_id=0,
+                                   unk_id=1, bos_id=2, eos_id=3, num_threads=1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(root / "spm.model"))
+    cfg = ModelConfig(vocab_size=sp.get_piece_size(), **model_cfg)
+    torch.manual_seed(0)
+    torch.save(Transformer(cfg).state_dict(), root / "model.pt")
+    src = (data / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:num_sentences]
+    ids = [sp.encode(s) for s in src]
+    (root / "test").mkdir()
+    pq.write_table(pa.table({"idx": pa.array(range(len(ids)), pa.int64()),
+                             "src_ids": pa.array(ids, pa.list_(pa.int32()))}), root / "test" / "part-0.parquet")
+    return {"spm": str(root / "spm.model"), "model": str(root / "model.pt"), "model_config": cfg.to_dict(),
+            "split_dir": str(root / "test"), "num_src_tokens": sum(len(i) + 1 for i in ids)}
+
+
+class TimedTranslator(translate.Translator):
+    """Adds the CPU seconds each call spent in this actor (``cpu_s``, on the call's first row)."""
+
+    def __call__(self, batch):
+        start = time.process_time()
+        out = super().__call__(batch)
+        out["cpu_s"] = 0.0
+        out.loc[0, "cpu_s"] = time.process_time() - start
+        return out
+
+
+def plain_loop(assets: dict, settings: dict, batch_tokens: int, threads: int) -> tuple[float, dict, float]:
+    """Translator in this process over the planned batches: (seconds, idx -> hypothesis, CPU seconds)."""
+    torch.set_num_threads(threads)
+    tr = translate.Translator(assets["model"], assets["model_config"], assets["spm"], settings)
+    df = translate.read_split(assets["split_dir"], ["idx", "src_ids"])
+    max_len = translate.max_source_len(tr.cfg.max_positions, settings["max_len_a"], settings["max_len_b"])
+    rows, _ = translate.plan_split("test", df, max_len, tr.cfg.eos_id, batch_tokens)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    hyps = {}
+    for _, group in rows.groupby("batch_id", sort=False):
+        out = tr.translate_ids([list(s) for s in group["src_ids"]])
+        hyps.update(zip(group["idx"].tolist(), out))
+    return time.perf_counter() - start, hyps, time.process_time() - cpu_start
+
+
+def ray_run(assets: dict, settings: dict, batch_tokens: int, workers: int, actor_cpus: float,
+            probe: bool = False) -> tuple[float, dict, float]:
+    """translate's Ray Data path (``translate_rows``) with ``workers`` CPU actors; ``probe``
+    decodes one short sentence only, which measures the fixed cost (actor start, model load)."""
+    df = translate.read_split(assets["split_dir"], ["idx", "src_ids"])
+    cfg = ModelConfig.from_dict(assets["model_config"])
+    max_len = translate.max_source_len(cfg.max_positions, settings["max_len_a"], settings["max_len_b"])
+    rows, _ = translate.plan_split("test", df, max_len, cfg.eos_id, batch_tokens)
+    if probe:
+        rows = rows.iloc[[-1]]  # the shortest sentence
+    kwargs = {"model_path": assets["model"], "model_config": assets["model_config"], "spm_path": assets["spm"],
+              "settings": settings, "device": "cpu", "num_threads": max(1, int(actor_cpus))}
+    start = time.perf_counter()
+    res = translate.translate_rows(rows, kwargs, workers, {"num_cpus": actor_cpus}, TimedTranslator)
+    return time.perf_counter() - start, dict(zip(res["idx"].tolist(), res["hyp"])), float(res["cpu_s"].sum())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "wmt14"))
+    p.add_argument("--num-sentences", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--workers", default="1,2")
+    p.add_argument("--ray-cpus", type=int, default=2, help="CPUs of the local Ray")
+    p.add_argument("--actor-cpus", type=float, default=1.0,
+                   help="CPUs reserved per actor (torch threads = max(1, int))")
+    p.add_argument("--batch-tokens", type=int, default=1000)
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--max-len-b", type=int, default=10)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    import ray
+
+    model_cfg = {"d_model": args.d_model, "d_ff": 4 * args.d_model, "n_heads": 4, "n_encoder_layers": args.layers,
+                 "n_decoder_layers": args.layers, "max_positions": 512, "dropout": 0.0}
+    settings = asdict(translate.DecodeSettings(args.beam, 0.6, 1.0, args.max_len_b))
+    results: dict = {"settings": settings, "model": model_cfg, "num_sentences": args.num_sentences,
+                     "batch_tokens": args.batch_tokens, "runs": []}
+    workers = [int(w) for w in args.workers.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        assets = make_assets(Path(tmp), Path(args.data), args.num_sentences, model_cfg)
+        ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+        timings: dict = {"plain": [], **{n: [] for n in workers}, **{("probe", n): [] for n in workers}}
+        cpu: dict = {"plain": [], **{n: [] for n in workers}}
+        same = True
+        try:  # rounds alternate the modes; the best of each is kept (the box is shared and noisy)
+            for r in range(args.repeats):
+                wall, plain_hyps, cpu_s = plain_loop(assets, settings, args.batch_tokens, threads=1)
+                timings["plain"].append(wall)
+                cpu["plain"].append(cpu_s)
+                log.info("round %d: plain loop, 1 thread: %.1f s", r, wall)
+                for n in workers:
+                    timings[("probe", n)].append(ray_run(assets, settings, args.batch_tokens, n, args.actor_cpus,
+                                                         probe=True)[0])
+                    wall, hyps, cpu_s = ray_run(assets, settings, args.batch_tokens, n, args.actor_cpus)
+                    timings[n].append(wall)
+                    cpu[n].append(cpu_s)
+                    same &= hyps == plain_hyps
+                    log.info("round %d: ray data, %d worker(s): %.1f s (start-up probe %.1f s)", r, n, wall,
+                             timings[("probe", n)][-1])
+        finally:
+            ray.shutdown()
+    plain_sps = args.num_sentences / min(timings["plain"])
+    results["runs"].append({"mode": "plain loop", "threads": 1, "wall_s": timings["plain"],
+                            "cpu_s": cpu["plain"], "sentences_per_s": plain_sps})
+    for n in workers:
+        wall, startup = min(timings[n]), min(timings[("probe", n)])
+        sps = args.num_sentences / wall
+        steady = args.num_sentences / (wall - startup) if wall > startup else float("nan")
+        results["runs"].append({
+            "mode": "ray data", "workers": n, "threads_per_worker": max(1, int(args.actor_cpus)),
+            "wall_s": timings[n], "startup_s": timings[("probe", n)], "sentences_per_s": sps,
+            "actor_cpu_s": cpu[n], "actor_cpu_vs_plain_cpu": min(cpu[n]) / min(cpu["plain"]),
+            "per_worker_vs_plain": sps / n / plain_sps, "steady_sentences_per_s": steady,
+            "steady_per_worker_vs_plain": steady / n / plain_sps})
+    results["same_hypotheses"] = same
+    for run in results["runs"]:
+        log.info("%s", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in run.items()})
+    log.info("plain loop and every Ray run gave the same hypotheses: %s", same)
+    print(json.dumps(results, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

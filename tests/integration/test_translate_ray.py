@@ -1,0 +1,149 @@
+"""The translate stage on Ray Data: 1 and 2 workers agree, order and bad input are handled; the CLI.
+
+A tiny random Transformer and a tiny SentencePiece model trained here on newstest2013 lines:
+the hypotheses are nonsense, but a deterministic function of each source, which is all that
+ordering and worker-count checks need.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from pipeline import score, translate
+from pipeline.config import Config
+from pipeline.stage import Manifest, StageContext
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+NUM_LINES = 40
+MAX_POSITIONS = 256
+MAX_LEN_B = 4  # max source length = (256 - 1 - 4) / 1 = 251 pieces incl. eos
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, wmt14_dir):
+    """spm.model, an average-style model dir, and an encoded 'test' split with bad lines."""
+    import sentencepiece as spm
+
+    root = tmp_path_factory.mktemp("translate")
+    en = (wmt14_dir / "newstest2013.en").read_text(encoding="utf-8").splitlines()[:300]
+    de = (wmt14_dir / "newstest2013.de").read_text(encoding="utf-8").splitlines()[:300]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(en + de), model_prefix=str(root / "spm"),
+                                   vocab_size=400, model_type="bpe", character_coverage=1.0,
+                                   pad_id=0, unk_id=1, bos_id=2, eos_id=3, num_threads=1,
+                                   minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(root / "spm.model"))
+
+    cfg = ModelConfig(vocab_size=sp.get_piece_size(), d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1,
+                      n_decoder_layers=1, max_positions=MAX_POSITIONS, dropout=0.0)
+    torch.manual_seed(0)
+    model_dir = root / "average"
+    model_dir.mkdir()
+    torch.save(Transformer(cfg).state_dict(), model_dir / "model.pt")
+    (model_dir / "model_config.json").write_text(json.dumps(cfg.to_dict()))
+
+    test_en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:NUM_LINES]
+    test_de = (wmt14_dir / "newstest2014.de").read_text(encoding="utf-8").splitlines()[:NUM_LINES]
+    src = list(test_en)
+    src[3] = ""  # empty source lines stay empty
+    src[17] = ""
+    src[9] = " ".join(test_en[:8])  # far longer than 251 pieces: truncated
+    ids = [sp.encode(s) for s in src]
+    split_dir = root / "encode" / "test"
+    split_dir.mkdir(parents=True)
+    for shard, rows in enumerate([range(1, NUM_LINES, 2), range(0, NUM_LINES, 2)]):  # interleaved shards
+        rows = list(rows)
+        pq.write_table(pa.table({
+            "idx": pa.array(rows, pa.int64()),
+            "src_ids": pa.array([ids[i] for i in rows], pa.list_(pa.int32())),
+            "tgt_ids": pa.array([sp.encode(test_de[i]) for i in rows], pa.list_(pa.int32())),
+            "src_len": pa.array([len(ids[i]) for i in rows], pa.int32()),
+            "tgt_len": pa.array([len(sp.encode(test_de[i])) for i in rows], pa.int32()),
+            "src": [src[i] for i in rows], "tgt": [test_de[i] for i in rows]}),
+            split_dir / f"part-{shard:05d}.parquet")
+    return {"root": root, "spm": str(root / "spm.model"), "model_dir": model_dir, "split_dir": split_dir,
+            "src": src, "ids": ids, "cfg": cfg}
+
+
+def _ctx(assets, tmp_path, num_workers: int) -> StageContext:
+    cfg = Config()
+    cfg.eval.num_workers = num_workers
+    cfg.eval.use_gpu = False
+    cfg.eval.beam_size = 2
+    cfg.eval.max_len_b = MAX_LEN_B
+    cfg.eval.batch_tokens = 400  # several batches per worker
+    cfg.run.data_num_cpus = 0.5  # 2 actors must not take all of the test Ray's 2 CPUs (ray#44687)
+    out = tmp_path / f"translate-{num_workers}"
+    out.mkdir()
+    inputs = {
+        "average": Manifest(stage="average", key="a", dir=str(assets["model_dir"]), outputs={
+            "model": str(assets["model_dir"] / "model.pt"), "model_config": assets["cfg"].to_dict(),
+            "averaged": ["c1", "c2"], "steps": [10, 20], "train_final_step": 20}),
+        "encode": Manifest(stage="encode", key="e", dir="", outputs={
+            "splits": {"test": {"dir": str(assets["split_dir"]), "num_rows": NUM_LINES}}}),
+        "vocab": Manifest(stage="vocab", key="v", dir="", outputs={"model": assets["spm"]}),
+    }
+    return StageContext(name="translate", key="t", cfg=cfg, out_dir=str(out), inputs=inputs)
+
+
+def _reference_hyps(assets, ctx) -> list[str]:
+    """The same planned batches decoded in a plain loop (no Ray), mapped back to source order."""
+    torch.set_num_threads(1)  # as in the actors: same kernels, same numbers
+    tr = translate.Translator(str(assets["model_dir"] / "model.pt"), assets["cfg"].to_dict(), assets["spm"],
+                              {"beam_size": 2, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": MAX_LEN_B})
+    df = translate.read_split(str(assets["split_dir"]), ["idx", "src_ids"])
+    max_len = translate.max_source_len(MAX_POSITIONS, 1.0, MAX_LEN_B)
+    rows, _ = translate.plan_split("test", df, max_len, 3, ctx.cfg.eval.batch_tokens)
+    out = [""] * NUM_LINES
+    for _, group in rows.groupby("batch_id", sort=False):
+        for i, h in zip(group["idx"], tr.translate_ids([list(s) for s in group["src_ids"]])):
+            out[i] = h
+    return out
+
+
+def test_two_workers_give_the_one_worker_hypotheses_in_source_order(assets, tmp_path, ray_local):
+    results = {}
+    for n in (1, 2):
+        ctx = _ctx(assets, tmp_path, n)
+        res = translate.run(ctx)
+        split = res.outputs["splits"]["test"]
+        results[n] = Path(split["hyps"]).read_text(encoding="utf-8").split("\n")[:-1]
+        assert len(results[n]) == NUM_LINES
+        assert split["num_sentences"] == NUM_LINES
+        assert split["num_empty"] == 2 and split["num_truncated"] == 1 and split["num_failed"] == 0
+        assert res.metrics["test/num_truncated"] == 1.0
+        assert res.outputs["train_final_step"] == 20 and res.outputs["averaged"] == ["c1", "c2"]
+    assert results[1] == results[2]
+    assert results[1][3] == "" and results[1][17] == ""
+    assert results[1] == _reference_hyps(assets, ctx)
+    assert len(set(results[1])) > NUM_LINES // 2  # hypotheses differ by source: an order shift would show
+
+    # score reads translate's outputs (and encode's references) only: the chain holds together.
+    score_ctx = StageContext(name="score", key="s", cfg=ctx.cfg, out_dir=str(tmp_path / "score"), inputs={
+        "translate": Manifest(stage="translate", key="t", dir=ctx.out_dir, outputs=res.outputs),
+        "encode": ctx.inputs["encode"]})
+    scored = score.run(score_ctx)
+    assert set(scored.metrics) == {"test/bleu_sacre", "test/bleu_tok_cs", "test/chrf"}
+    report = (tmp_path / "score" / "report.md").read_text()
+    assert "20 steps" in report and "d_model 32" in report and "2 empty sources, 1 truncated" in report
+
+
+def test_cli_translates_stdin_line_by_line(assets):
+    lines = [assets["src"][0], "", assets["src"][9], assets["src"][1]]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.translate", "--model-dir", str(assets["model_dir"]),
+         "--spm", assets["spm"], "--beam", "2", "--max-len-b", str(MAX_LEN_B), "--device", "cpu"],
+        input="\n".join(lines) + "\n", capture_output=True, text=True, cwd=REPO, timeout=120, check=True)
+    out = proc.stdout.split("\n")[:-1]
+    assert len(out) == 4 and out[1] == ""
+    assert "1 empty, 1 truncated" in proc.stderr
