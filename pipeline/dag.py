@@ -21,7 +21,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("vocab", "1", ("vocab",), ("prepare",), "pipeline.vocab:run"),
     Stage("encode", "1", (), ("prepare", "vocab"), "pipeline.encode:run"),
     Stage("train", "1", ("model", "train"), ("encode", "vocab"), "pipeline.train:run",
-          resumable=True, checksum_files=False),
+          resumable=True, checksum_files=False, forget="pipeline.train:forget_run"),
     Stage("average", "1", ("eval.average_last",), ("train",), "pipeline.average:run"),
     Stage("translate", "1", ("eval.beam_size", "eval.alpha", "eval.max_len_a", "eval.max_len_b",
                              "eval.splits", "eval.max_sentences"), ("average", "encode", "vocab"),

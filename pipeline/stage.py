@@ -105,6 +105,7 @@ class Stage:
     upstream: tuple[str, ...]
     impl: str  # "module:function", imported only when the stage runs
     resumable: bool = False  # keep a partial output folder on rerun (train resumes from it)
+    forget: str | None = None  # "module:function(cfg, key)" that drops resumable state when forced
     checksum_files: bool = True  # sha256 every output file in the manifest
 
     def load(self) -> Callable[[StageContext], StageResult]:

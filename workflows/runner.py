@@ -9,6 +9,7 @@ from. A half-written stage is never taken as done; a stage whose upstream was re
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
 import time
@@ -36,6 +37,7 @@ class StagePlan:
     out_dir: str
     action: str  # "cached" | "run" | "skip"
     reason: str
+    forced: bool = False  # rerun from scratch even if a resumable stage has partial state
 
 
 def _digest(obj: Any) -> str:
@@ -124,7 +126,8 @@ def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
             action, reason = "cached", f"done ({manifest.extra.get('finished', '?')})"
         if s.name not in selected and action == "run":
             action = "skip"
-        plans.append(StagePlan(s, keys[s.name], out_dir, action, reason))
+        plans.append(StagePlan(s, keys[s.name], out_dir, action, reason,
+                               forced=action == "run" and s.name in forced))
         digests[s.name] = manifest_digest(manifest) if (manifest and action == "cached") else None
     _check_inputs(plans, selected)
     return plans
@@ -167,7 +170,11 @@ def _file_list(out_dir: str, checksum: bool) -> list[dict[str, Any]]:
 
 def run_stage(cfg: Config, p: StagePlan, inputs: dict[str, Manifest], tracker) -> Manifest:
     fn = p.stage.load()
-    if not p.stage.resumable:
+    if p.forced and p.stage.forget:
+        module, func = p.stage.forget.split(":")
+        getattr(importlib.import_module(module), func)(cfg, p.key)
+        log.info("stage %s: forced, dropped its resumable state", p.stage.name)
+    if not p.stage.resumable or p.forced:
         storage.rmtree(p.out_dir)
     storage.makedirs(p.out_dir)
     started = time.time()

@@ -139,3 +139,12 @@ def test_to_stops_after_the_named_stage(tmp_path, calls):
     actions = run_all(cfg_for(tmp_path), to="encode")
     assert calls == ["download", "prepare", "vocab", "encode"]
     assert actions["train"] == "skip"
+
+
+def test_force_on_a_resumable_stage_starts_it_from_scratch(tmp_path, calls):
+    cfg = cfg_for(tmp_path)
+    run_all(cfg)
+    train_dir = {p.stage.name: p for p in runner.make_plan(cfg)}["train"].out_dir
+    storage.write_text(storage.join(train_dir, "left_from_before.txt"), "x")
+    run_all(cfg, force=("train",))
+    assert not storage.exists(storage.join(train_dir, "left_from_before.txt"))

@@ -1,0 +1,158 @@
+"""Training throughput: the stage's per-worker loop vs the bare model step on in-memory batches.
+
+    .venv/bin/python benchmarks/train_bench.py [--steps 40] [--d-model 64] [--layers 2] [--threads 1]
+
+A. loop:  `pipeline.train_loop.Trainer` with one in-process worker (no Ray), reading the encoded
+          Parquet shards, planning token buckets, collating micro-batches, logging, checkpointing.
+B. bare:  the same micro-batches (same rows, same shapes) collated before timing; the loop only
+          runs forward, loss, backward, Adam, lr schedule.
+C. loader alone: plan + split + collate for the same steps, no model.
+
+Prints target tokens/s of A and B and the ratio A/B (target >= 0.9), and the loader's cost per
+step. Synthetic "reverse" data with a WMT-like spread of lengths; fp32 on CPU (or --device cuda).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model import ModelConfig, Transformer, make_optimizer, make_scheduler
+from pipeline import batching
+from pipeline.config import Config
+from pipeline.train_data import load_corpus
+from pipeline.train_loop import LocalSession, LoopSpec, Trainer
+from pipeline.train_step import accumulate_gradients, optimizer_step, to_device
+from pipeline.train_synthetic import write_reverse_task
+
+
+def build(args, work: Path) -> tuple[dict, Config, ModelConfig]:
+    shards = write_reverse_task(work / "train", args.rows, args.vocab, min_len=3, max_len=args.max_len,
+                                num_shards=4, seed=0)
+    cfg = Config()
+    m = cfg.model
+    m.d_model, m.d_ff, m.n_heads = args.d_model, 4 * args.d_model, 4
+    m.n_encoder_layers = m.n_decoder_layers = args.layers
+    t = cfg.train
+    t.num_workers, t.max_steps = 1, args.steps
+    t.tokens_per_step, t.max_tokens_per_batch = args.tokens_per_step, args.max_tokens_per_batch
+    t.log_interval_steps = t.eval_interval_steps = t.checkpoint_interval_steps = args.steps
+    t.precision = "bf16" if args.device == "cuda" else "fp32"
+    mc = ModelConfig(vocab_size=args.vocab, d_model=m.d_model, d_ff=m.d_ff, n_heads=m.n_heads,
+                     n_encoder_layers=args.layers, n_decoder_layers=args.layers, dropout=m.dropout)
+    spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(shards)).to_dict()
+    return spec, cfg, mc
+
+
+def run_loop(spec: dict, work: Path, device: str) -> dict:
+    trainer = Trainer(LoopSpec(**spec), LocalSession(work / "ckpt", device=device))
+    t0 = time.perf_counter()
+    out = trainer.run()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return {"tgt_tokens": out["tokens_seen"]["tgt"], "wall_s": wall,
+            "tgt_tokens_per_s": out["tokens_seen"]["tgt"] / wall}
+
+
+def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device):
+    """Every step's micro-batches, as the loop would cut them (collated up front)."""
+    d = load_corpus(spec["train_dir"])
+    t = cfg.train
+    rows = np.flatnonzero(batching.keep_mask(d.src_len, d.tgt_len, t.max_len))
+    steps, epoch = [], 0
+    while len(steps) < t.max_steps:
+        for group in batching.plan_epoch(rows, d.src_len, d.tgt_len, t.tokens_per_step, t.seed, epoch):
+            split = batching.split_step(group, d.src_len, d.tgt_len, 1, t.max_tokens_per_batch)
+            mbs = [to_device(batching.collate(r, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
+                                              mc.pad_id, mc.bos_id, mc.eos_id), device)
+                   for r in split.for_worker(0)]
+            steps.append((mbs, int(batching.target_tokens(d.tgt_len[group]).sum())))
+            if len(steps) == t.max_steps:
+                break
+        epoch += 1
+    return steps
+
+
+def run_bare(steps, cfg: Config, mc: ModelConfig, device: torch.device) -> dict:
+    torch.manual_seed(cfg.train.seed)
+    model = Transformer(mc).to(device)
+    opt = make_optimizer(model)
+    sched = make_scheduler(opt, mc.d_model, cfg.train.warmup_steps)
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
+                else contextlib.nullcontext)
+    t0 = time.perf_counter()
+    tokens = 0
+    for mbs, n_tgt in steps:
+        accumulate_gradients(model, mbs, n_tgt, 1, cfg.train.label_smoothing, mc.pad_id, autocast)
+        optimizer_step(model, opt, sched, None, 0.0, want_norm=False)
+        tokens += n_tgt
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return {"tgt_tokens": tokens, "wall_s": wall, "tgt_tokens_per_s": tokens / wall}
+
+
+def run_loader(spec: dict, cfg: Config, mc: ModelConfig) -> dict:
+    t0 = time.perf_counter()
+    steps = micro_batches(spec, cfg, mc, torch.device("cpu"))
+    wall = time.perf_counter() - t0
+    return {"steps": len(steps), "wall_s": wall, "ms_per_step": 1000 * wall / len(steps)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rows", type=int, default=20000)
+    p.add_argument("--vocab", type=int, default=1000)
+    p.add_argument("--max-len", type=int, default=60)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--tokens-per-step", type=int, default=4000)
+    p.add_argument("--max-tokens-per-batch", type=int, default=2500)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=3, help="alternate loop/bare runs; the best of each is kept")
+    p.add_argument("--json", default="", help="also write the figures here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    device = torch.device(args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        spec, cfg, mc = build(args, work)
+        loader = run_loader(spec, cfg, mc)
+        steps = micro_batches(spec, cfg, mc, device)
+        run_bare(steps[:3], cfg, mc, device)  # warm-up (allocator, kernels)
+        loops, bares = [], []
+        for i in range(args.repeats):  # alternate, so background load hits both alike
+            loops.append(run_loop(spec, work / f"r{i}", args.device))
+            bares.append(run_bare(steps, cfg, mc, device))
+    loop = max(loops, key=lambda r: r["tgt_tokens_per_s"])
+    bare = max(bares, key=lambda r: r["tgt_tokens_per_s"])
+    ratio = loop["tgt_tokens_per_s"] / bare["tgt_tokens_per_s"]
+    step_ms = 1000 * bare["wall_s"] / args.steps
+    print(f"model d_model={args.d_model} layers={args.layers}+{args.layers} vocab={args.vocab}; "
+          f"{args.steps} steps of ~{args.tokens_per_step} target tokens; device={args.device}, "
+          f"threads={args.threads}")
+    print(f"{'':28s}{'tgt tokens/s':>14s}{'wall s':>10s}")
+    print(f"{'stage loop (data included)':28s}{loop['tgt_tokens_per_s']:14.0f}{loop['wall_s']:10.2f}")
+    print(f"{'bare model step':28s}{bare['tgt_tokens_per_s']:14.0f}{bare['wall_s']:10.2f}")
+    print(f"ratio loop / bare = {ratio:.3f} (target >= 0.9)")
+    print(f"loader alone (plan + split + collate): {loader['ms_per_step']:.2f} ms/step "
+          f"= {100 * loader['ms_per_step'] / step_ms:.1f}% of a bare step ({step_ms:.1f} ms)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"loop": loops, "bare": bares, "ratio": ratio,
+                                               "loader": loader, "args": vars(args)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Token-bucketed batching for training and validation: pure numpy, no Ray, no torch.
+
+§5.1: "Sentence pairs were batched together by approximate sequence length. Each training batch
+contained a set of sentence pairs containing approximately 25000 source tokens and 25000 target
+tokens." We take that literally, in two levels:
+
+1. **Step groups** (`plan_epoch`): every epoch, the kept pairs are ordered by padded length (ties
+   broken by a seeded random key) and cut into consecutive groups of ~`tokens_per_step` target
+   tokens; the group order is then shuffled with the same seed. One group = one optimizer step.
+   The plan depends on the data, `tokens_per_step`, the seed and the epoch only: NOT on the
+   number of workers nor on the per-worker memory cap, so 1 GPU and 8 GPUs take the same steps
+   over the same sentences (and follow the same lr curve).
+2. **Micro-batches** (`split_step`): a group is split into `num_workers * accum` contiguous
+   chunks of balanced padded size, each under `max_tokens_per_batch`; chunk j goes to worker
+   j % num_workers as its micro-batch j // num_workers. `accum` (gradient accumulation) is the
+   smallest value for which every chunk fits, so it follows from the workers and the cap.
+
+Lengths here are the pieces in the shards; the model adds one special token per side (source +
+[eos], decoder input [bos] + pieces, target pieces + [eos]), so a pair costs
+`max(src_len, tgt_len) + 1` padded positions and brings `tgt_len + 1` target tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def keep_mask(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int) -> np.ndarray:
+    """Pairs to train on: no side longer than `max_len` pieces and no empty side."""
+    return (src_len <= max_len) & (tgt_len <= max_len) & (src_len > 0) & (tgt_len > 0)
+
+
+def padded_len(src_len: np.ndarray, tgt_len: np.ndarray) -> np.ndarray:
+    """Positions a pair occupies in a padded batch: max(src, tgt) pieces + 1 special token."""
+    return np.maximum(src_len, tgt_len).astype(np.int64) + 1
+
+
+def target_tokens(tgt_len: np.ndarray) -> np.ndarray:
+    """Target tokens of each pair (pieces + eos): what the loss is averaged over."""
+    return tgt_len.astype(np.int64) + 1
+
+
+def _rng(seed: int, *keys: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([seed, *keys]))
+
+
+def plan_epoch(rows: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, tokens_per_step: int,
+               seed: int, epoch: int) -> list[np.ndarray]:
+    """The optimizer steps of one epoch: a list of row-index arrays, each sorted by length.
+
+    `rows` are the kept rows; `src_len`/`tgt_len` are indexed by row. A group closes as soon as
+    it holds >= `tokens_per_step` target tokens; a last group with fewer than half of that is
+    left out of this epoch (it would be a noisy small step; other rows end up last next epoch).
+    """
+    rng = _rng(seed, epoch, 0)
+    plen = padded_len(src_len[rows], tgt_len[rows])
+    order = np.lexsort((rng.random(len(rows)), plen))  # by length, random among equal lengths
+    sorted_rows = rows[order]
+    cum = np.cumsum(target_tokens(tgt_len[sorted_rows]))
+    groups: list[np.ndarray] = []
+    start = 0
+    while start < len(sorted_rows):
+        base = cum[start - 1] if start else 0
+        # First index whose running total reaches tokens_per_step: the group ends there.
+        end = int(np.searchsorted(cum, base + tokens_per_step, side="left")) + 1
+        end = min(end, len(sorted_rows))
+        if cum[end - 1] - base < tokens_per_step / 2 and groups:
+            break
+        groups.append(sorted_rows[start:end])
+        start = end
+    perm = _rng(seed, epoch, 1).permutation(len(groups))
+    return [groups[i] for i in perm]
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """One optimizer step cut into micro-batches: `chunks[w][m]` = rows of worker w, micro m."""
+
+    accum: int  # micro-batches per worker (gradient accumulation steps)
+    chunks: list[list[np.ndarray]]  # [num_workers][accum], possibly empty arrays
+
+    def for_worker(self, rank: int) -> list[np.ndarray]:
+        return self.chunks[rank]
+
+
+def _greedy_cuts(plen_sorted: np.ndarray, bound: int) -> list[int]:
+    """Cut lengths sorted ascending into the fewest contiguous chunks of padded size <= bound.
+
+    Greedy is optimal here: a chunk [i, j] costs (j - i + 1) * plen[j], increasing in j.
+    """
+    n, cuts, i = len(plen_sorted), [0], 0
+    while i < n:
+        cost = np.arange(1, n - i + 1) * plen_sorted[i:]  # cost of [i, i], [i, i+1], ...
+        i += max(1, int(np.searchsorted(cost, bound, side="right")))
+        cuts.append(i)
+    return cuts
+
+
+def split_step(group: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, num_workers: int,
+               max_tokens_per_batch: int) -> StepSplit:
+    """Cut one step group into `num_workers * accum` chunks under `max_tokens_per_batch`.
+
+    `accum` = ceil(fewest chunks that fit the cap / num_workers). The chunks are contiguous in
+    length order and balanced: the per-chunk bound is lowered (binary search) to the smallest one
+    that still needs no more than `num_workers * accum` chunks, so workers get similar work.
+    Chunks are empty when there are fewer chunks than slots (e.g. fewer pairs than workers).
+    """
+    plen = padded_len(src_len[group], tgt_len[group])
+    order = np.argsort(plen, kind="stable")
+    group, plen = group[order], plen[order]
+    longest = int(plen.max(initial=0))
+    if longest > max_tokens_per_batch:
+        raise ValueError(f"a pair of {longest} padded tokens does not fit "
+                         f"train.max_tokens_per_batch = {max_tokens_per_batch}")
+    needed = len(_greedy_cuts(plen, max_tokens_per_batch)) - 1
+    accum = max(1, -(-needed // num_workers))
+    slots = num_workers * accum
+    lo, hi = max(longest, 1), max_tokens_per_batch  # the smallest bound needing <= slots chunks
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(_greedy_cuts(plen, mid)) - 1 <= slots:
+            hi = mid
+        else:
+            lo = mid + 1
+    cuts = _greedy_cuts(plen, lo)
+    cuts += [cuts[-1]] * (slots + 1 - len(cuts))  # empty chunks at the end
+    chunks = [[group[cuts[m * num_workers + w]:cuts[m * num_workers + w + 1]] for m in range(accum)]
+              for w in range(num_workers)]
+    return StepSplit(accum=accum, chunks=chunks)
+
+
+def plan_eval_batches(rows: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray,
+                      max_tokens_per_batch: int) -> list[np.ndarray]:
+    """Validation batches: rows by length, greedily packed under the cap; no shuffling.
+
+    A pair longer than the cap gets a batch of its own (validation never drops a pair).
+    """
+    plen = padded_len(src_len[rows], tgt_len[rows])
+    order = np.argsort(plen, kind="stable")
+    rows, plen = rows[order], plen[order]
+    batches: list[np.ndarray] = []
+    start = 0
+    for i in range(len(rows)):
+        # lengths ascend, so the batch's max is plen[i]
+        if i > start and plen[i] * (i - start + 1) > max_tokens_per_batch:
+            batches.append(rows[start:i])
+            start = i
+    if start < len(rows):
+        batches.append(rows[start:])
+    return batches
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Padded model inputs of one micro-batch (numpy int64)."""
+
+    src: np.ndarray  # (B, S) pieces + [eos], padded
+    tgt_in: np.ndarray  # (B, T) [bos] + pieces, padded
+    tgt_out: np.ndarray  # (B, T) pieces + [eos], padded
+    num_src_tokens: int  # non-pad source positions
+    num_tgt_tokens: int  # non-pad target positions (the loss's denominator counts these)
+
+
+def _pad(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray, pad_id: int, head: int | None,
+         tail: int | None) -> np.ndarray:
+    """Rows of a flattened list column as a padded (B, max_len + specials) matrix."""
+    starts, ends = offsets[rows], offsets[rows + 1]
+    lens = ends - starts
+    extra = (head is not None) + (tail is not None)
+    out = np.full((len(rows), int(lens.max(initial=0)) + extra), pad_id, dtype=np.int64)
+    col0 = 1 if head is not None else 0
+    if head is not None:
+        out[:, 0] = head
+    # Scatter all pieces at once: row r, columns col0 .. col0 + lens[r].
+    row_idx = np.repeat(np.arange(len(rows)), lens)
+    within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    src_idx = np.repeat(starts, lens) + within
+    out[row_idx, col0 + within] = values[src_idx]
+    if tail is not None:
+        out[np.arange(len(rows)), col0 + lens] = tail
+    return out
+
+
+def collate(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, tgt_values: np.ndarray,
+            tgt_offsets: np.ndarray, pad_id: int, bos_id: int, eos_id: int) -> Batch:
+    """Padded source, decoder input and target for `rows` of flattened id lists."""
+    src = _pad(src_values, src_offsets, rows, pad_id, None, eos_id)
+    tgt_in = _pad(tgt_values, tgt_offsets, rows, pad_id, bos_id, None)
+    tgt_out = _pad(tgt_values, tgt_offsets, rows, pad_id, None, eos_id)
+    n_src = int((src_offsets[rows + 1] - src_offsets[rows]).sum()) + len(rows)
+    n_tgt = int((tgt_offsets[rows + 1] - tgt_offsets[rows]).sum()) + len(rows)
+    return Batch(src, tgt_in, tgt_out, n_src, n_tgt)

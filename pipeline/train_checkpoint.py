@@ -1,0 +1,101 @@
+"""The checkpoint folder of the `train` stage (docs/stages.md), written and read by the loop.
+
+    model.pt        the model's state_dict, tensors on CPU (`average` and `translate` read it)
+    train_state.pt  optimizer, scheduler, grad scaler, step, data position (epoch, step index in
+                    the epoch), token counters, RNG states, metric history: tensors and plain
+                    types only, so that `torch.load(weights_only=True)` reads it. The RNG
+                    states are rank 0's, kept for inspection: resume does not need them because
+                    the loop re-seeds dropout every step from (seed, rank, step).
+    meta.json       {"step", "model_config"}, written last
+
+Ray Train uploads the folder and registers it only after `ray.train.report` returns; a folder a
+crash leaves half-uploaded is never registered, so never restored nor listed in the outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODEL_FILE = "model.pt"
+STATE_FILE = "train_state.pt"
+META_FILE = "meta.json"
+FILES = (MODEL_FILE, STATE_FILE, META_FILE)
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """Sortable folder name of the checkpoint at `step`."""
+    return f"checkpoint_{step:07d}"
+
+
+@dataclass
+class Progress:
+    """Where training stands: restored from a checkpoint, continued from there."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # epoch of the next step
+    step_in_epoch: int = 0  # index of the next step in that epoch's plan
+    tokens_src: int = 0  # non-pad source tokens trained on (all workers)
+    tokens_tgt: int = 0  # target tokens trained on (all workers)
+    train_time_s: float = 0.0  # wall time in the loop, summed over attempts (up to each checkpoint)
+    # Learning curves for the plots: [step, loss, nll, lr] per log line, [step, loss, nll] per eval.
+    history_train: list[list[float]] = field(default_factory=list)
+    history_val: list[list[float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def rng_state() -> dict[str, Any]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"torch": torch.get_rng_state(), "cuda": list(cuda)}
+
+
+def save(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         scheduler: Any, scaler: Any, progress: Progress, model_config: dict[str, Any],
+         extra: dict[str, Any] | None = None) -> None:
+    """Write the three files into the (empty, local) folder `path`; meta.json last."""
+    path = Path(path)
+    torch.save(cpu_state_dict(model), path / MODEL_FILE)
+    state = {
+        **progress.to_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else {},
+        "rng": rng_state(),
+        **(extra or {}),
+    }
+    torch.save(state, path / STATE_FILE)
+    tmp = path / f".{META_FILE}.tmp"
+    tmp.write_text(json.dumps({"step": progress.step, "model_config": model_config}, indent=2) + "\n")
+    os.replace(tmp, path / META_FILE)
+
+
+def load(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+         scheduler: Any, scaler: Any, device: torch.device) -> Progress:
+    """Restore model, optimizer, scheduler and scaler in place; return the saved `Progress`."""
+    path = Path(path)
+    missing = [f for f in FILES if not (path / f).exists()]
+    if missing:
+        raise FileNotFoundError(f"checkpoint {path} lacks {', '.join(missing)}")
+    model.load_state_dict(torch.load(path / MODEL_FILE, map_location=device, weights_only=True))
+    state = torch.load(path / STATE_FILE, map_location=device, weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and scaler.is_enabled() and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    known = Progress.__dataclass_fields__
+    return Progress(**{k: v for k, v in state.items() if k in known})
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / META_FILE).read_text())

@@ -1,0 +1,177 @@
+"""The `train` stage on Ray Train: 2 CPU workers (gloo), MLflow, worker failure, driver restart.
+
+One local Ray for the session (`ray_local`); every run is a tiny model on synthetic shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline import train, train_checkpoint
+from pipeline.config import Config
+from pipeline.stage import Manifest, StageContext
+from pipeline.train_loop import FAIL_AT_STEP_ENV
+from pipeline.train_synthetic import write_reverse_task
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("shards")
+    return (write_reverse_task(root / "train", 600, VOCAB, seed=0),
+            write_reverse_task(root / "dev", 60, VOCAB, seed=1))
+
+
+def make_config(work_dir: Path, **train_overrides) -> Config:
+    cfg = Config()
+    cfg.model.d_model, cfg.model.d_ff, cfg.model.n_heads = 32, 64, 2
+    cfg.model.n_encoder_layers = cfg.model.n_decoder_layers = 1
+    t = cfg.train
+    t.num_workers, t.use_gpu, t.max_failures = 2, False, 1
+    t.max_steps, t.tokens_per_step, t.max_tokens_per_batch, t.warmup_steps = 30, 1000, 400, 10
+    t.log_interval_steps, t.eval_interval_steps, t.checkpoint_interval_steps = 5, 10, 10
+    t.keep_checkpoints = 2
+    for k, v in train_overrides.items():
+        setattr(t, k, v)
+    cfg.eval.average_last = 2
+    cfg.run.work_dir = str(work_dir)
+    return cfg.validate()
+
+
+def make_context(cfg: Config, key: str, shards, tracker=None) -> StageContext:
+    splits = {"train": {"dir": str(shards[0])}, "dev": {"dir": str(shards[1])}}
+    inputs = {"encode": Manifest("encode", "e", str(shards[0].parent), {"splits": splits}),
+              "vocab": Manifest("vocab", "v", str(shards[0].parent),
+                                {"vocab_size": VOCAB, "pad_id": 0, "bos_id": 2, "eos_id": 3})}
+    ctx = StageContext("train", key, cfg, str(Path(cfg.run.work_dir) / "train" / key), inputs)
+    if tracker is not None:
+        ctx.tracker = tracker
+    return ctx
+
+
+def assert_complete_checkpoints(run_dir: Path) -> None:
+    """Every checkpoint folder Ray Train left holds all three files (none half-written)."""
+    folders = sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir())
+    assert folders
+    for folder in folders:
+        assert sorted(p.name for p in folder.iterdir()) == sorted(train_checkpoint.FILES), folder
+
+
+@pytest.fixture(scope="module")
+def baseline(ray_local, shards, tmp_path_factory):
+    """One uninterrupted 2-worker run with an MLflow run as its tracker."""
+    import mlflow
+
+    from pipeline.tracking import RunLogger
+
+    work = tmp_path_factory.mktemp("baseline")
+    uri = f"sqlite:///{work}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("train-test", artifact_location=str(work / "mlartifacts"))
+    run_id = client.create_run(exp).info.run_id
+    cfg = make_config(work)
+    result = train.run(make_context(cfg, "baseline", shards, RunLogger(uri, run_id)))
+    return cfg, result, client, run_id
+
+
+def test_two_workers_train_checkpoint_and_log(baseline):
+    cfg, result, client, run_id = baseline
+    out = result.outputs
+    assert out["final_step"] == 30 and out["resumed_from_step"] == 0
+    run_dir = Path(out["storage_path"]) / "baseline"
+    assert out["checkpoints"] == [str(run_dir / "checkpoint_0000020"), str(run_dir / "checkpoint_0000030")]
+    assert_complete_checkpoints(run_dir)
+    assert json.loads((run_dir / "checkpoint_0000030" / "meta.json").read_text())["step"] == 30
+    assert out["tokens_seen"]["tgt"] > 30 * 500 and out["model_config"]["vocab_size"] == VOCAB
+    # The loss falls, in MLflow as in the outputs.
+    history = client.get_metric_history(run_id, "train/loss")
+    losses = [m.value for m in sorted(history, key=lambda m: m.step)]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3
+    for key in ("train/nll", "train/ppl", "train/lr", "train/grad_norm", "train/tgt_tokens_per_s",
+                "train/src_tokens_per_s", "train/step_time_s", "val/loss", "val/ppl"):
+        assert client.get_metric_history(run_id, key), key
+    assert [m.step for m in client.get_metric_history(run_id, "val/loss")] == [10, 20, 30]
+    artifacts = {a.path for a in client.list_artifacts(run_id, "plots")}
+    assert artifacts == {"plots/loss.png", "plots/lr.png"}
+    assert result.metrics["val/final_ppl"] > 1.0
+
+
+def test_worker_failure_resumes_from_the_latest_checkpoint(ray_local, shards, baseline, tmp_path, monkeypatch):
+    monkeypatch.setenv(FAIL_AT_STEP_ENV, f"15:{tmp_path / 'failed'}")
+    cfg = make_config(tmp_path)
+    result = train.run(make_context(cfg, "faulty", shards))
+    assert (tmp_path / "failed").read_text() == "15"  # the failure did happen, on worker 1
+    out = result.outputs
+    assert out["final_step"] == 30 and out["resumed_from_step"] == 10
+    assert_complete_checkpoints(Path(out["storage_path"]) / "faulty")
+    # Resuming replays the lost steps exactly: same weights as the uninterrupted run.
+    want = torch.load(Path(baseline[1].outputs["checkpoints"][-1]) / "model.pt", weights_only=True)
+    got = torch.load(Path(out["checkpoints"][-1]) / "model.pt", weights_only=True)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+DRIVER = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO)
+import ray
+from pipeline import train
+from pipeline.config import from_dict
+from pipeline.stage import Manifest, StageContext
+spec = json.load(open(sys.argv[1]))
+ray.init(address=spec["address"], runtime_env={"env_vars": {"PYTHONPATH": spec["repo"]}})
+inputs = {k: Manifest(**v) for k, v in spec["inputs"].items()}
+ctx = StageContext("train", spec["key"], from_dict(spec["cfg"]), spec["out_dir"], inputs)
+train.run(ctx)
+"""
+
+
+def test_killed_driver_resumes_from_its_checkpoint(ray_local, shards, baseline, tmp_path):
+    """Driver 1 (a subprocess on the same Ray) checkpoints step 10, then a worker hangs before step
+    11 (test hook) and the driver is killed; driver 2 resumes the run from step 10."""
+    cfg = make_config(tmp_path)
+    ctx = make_context(cfg, "restart", shards)
+    marker = tmp_path / "hung"
+    spec = {"address": ray_local.get_runtime_context().gcs_address, "repo": str(REPO), "key": ctx.key,
+            "cfg": cfg.to_dict(), "out_dir": ctx.out_dir,
+            "inputs": {k: m.to_dict() for k, m in ctx.inputs.items()}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "driver.py").write_text(DRIVER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), FAIL_AT_STEP_ENV: f"11:{marker}:hang"}
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "spec.json")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Ray Train registers a reported checkpoint in its snapshot asynchronously: wait for both.
+    snapshot = Path(train.storage_path_for(cfg)) / ctx.key / "checkpoint_manager_snapshot.json"
+
+    def registered() -> bool:
+        return snapshot.exists() and "checkpoint_0000010" in snapshot.read_text()
+
+    try:
+        deadline = time.monotonic() + 240
+        while not (marker.exists() and registered()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists() and registered(), f"driver 1 never reached step 11 (exit code {proc.poll()})"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    result = train.run(ctx)  # a new driver: same run name and storage path, no hook
+    out = result.outputs
+    assert out["resumed_from_step"] == 10 and out["final_step"] == 30
+    assert_complete_checkpoints(Path(out["storage_path"]) / ctx.key)
+    want = torch.load(Path(baseline[1].outputs["checkpoints"][-1]) / "model.pt", weights_only=True)
+    got = torch.load(Path(out["checkpoints"][-1]) / "model.pt", weights_only=True)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
