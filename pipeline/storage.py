@@ -7,6 +7,7 @@ environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...), never from confi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -41,11 +42,33 @@ def join(base: str, *parts: str) -> str:
     return out
 
 
+# What pyarrow's S3/GCS file systems read from the environment: a cached file system is reused
+# only while these are unchanged (tests switch endpoints; a driver may switch credentials).
+_FS_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+           "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION",
+           "GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST")
+
+
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
-    """(file system, path inside it) for a local path or a URI."""
-    if is_remote(uri):
-        return pafs.FileSystem.from_uri(uri)
-    return pafs.LocalFileSystem(), absolute(uri)
+    """(file system, path inside it) for a local path or a URI.
+
+    ``s3://`` and ``gs://`` file systems are cached per bucket: ``FileSystem.from_uri`` builds a
+    new client (and, on AWS, asks for the bucket's region) on every call, ~40 ms each.
+    Endpoint and credentials come from the environment (``AWS_ENDPOINT_URL[_S3]``, ...).
+    """
+    if not is_remote(uri):
+        return pafs.LocalFileSystem(), absolute(uri)
+    scheme, rest = uri.split("://", 1)
+    bucket, _, key = rest.partition("/")
+    if scheme in ("s3", "gs", "gcs") and bucket and not any(c in rest for c in "@?"):
+        fs = _bucket_fs(scheme, bucket, tuple(os.environ.get(k, "") for k in _FS_ENV))
+        return fs, f"{bucket}/{key}".rstrip("/")
+    return pafs.FileSystem.from_uri(uri)
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_fs(scheme: str, bucket: str, env: tuple[str, ...]) -> pafs.FileSystem:
+    return pafs.FileSystem.from_uri(f"{scheme}://{bucket}")[0]
 
 
 def exists(uri: str) -> bool:
@@ -67,9 +90,11 @@ def rmtree(uri: str) -> None:
         fs.delete_file(path)
 
 
-def open_input(uri: str) -> BinaryIO:
+def open_input(uri: str, compression: str | None = "detect") -> BinaryIO:
+    """A read stream. pyarrow's default ``compression="detect"`` transparently gunzips ``*.gz``
+    (by extension); pass ``compression=None`` for the raw bytes (checksums, archives)."""
     fs, path = resolve(uri)
-    return fs.open_input_stream(path)
+    return fs.open_input_stream(path, compression=compression)
 
 
 def open_output(uri: str) -> BinaryIO:
@@ -129,7 +154,7 @@ def list_files(uri: str) -> list[tuple[str, int]]:
 
 def sha256(uri: str, chunk_bytes: int = 1 << 20) -> str:
     h = hashlib.sha256()
-    with open_input(uri) as f:
+    with open_input(uri, compression=None) as f:  # the stored bytes, even for *.gz
         for chunk in iter(lambda: f.read(chunk_bytes), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -159,13 +184,19 @@ def local_copy(uri: str, cache_dir: str | Path | None = None) -> Path:
     """A local path with the content of ``uri``: the path itself when local, else a download."""
     if not is_remote(uri):
         return Path(absolute(uri))
+    fs, path = resolve(uri)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        raise FileNotFoundError(f"{uri}: no such file or folder")
+    # The cache key covers what is there now (sizes, mtimes): a rewritten object (a forced rerun
+    # writes the same URIs) is downloaded again, never served stale.
     cache_dir = Path(cache_dir or tempfile.gettempdir()) / "transformer-repro-cache"
-    dest = cache_dir / hashlib.sha256(uri.encode()).hexdigest()[:16] / uri.rstrip("/").rsplit("/", 1)[-1]
+    key = hashlib.sha256(f"{uri}\n{_fingerprint(fs, info)}".encode()).hexdigest()[:16]
+    dest = cache_dir / key / uri.rstrip("/").rsplit("/", 1)[-1]
     if dest.exists():
         return dest
-    fs, path = resolve(uri)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if fs.get_file_info(path).type == pafs.FileType.Directory:
+    if info.type == pafs.FileType.Directory:
         tmp = Path(tempfile.mkdtemp(dir=dest.parent))
         pafs.copy_files(path, str(tmp), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
     else:
@@ -173,6 +204,14 @@ def local_copy(uri: str, cache_dir: str | Path | None = None) -> Path:
         pafs.copy_files(path, str(tmp), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
     os.replace(tmp, dest)
     return dest
+
+
+def _fingerprint(fs: pafs.FileSystem, info: pafs.FileInfo) -> str:
+    infos = [info]
+    if info.type == pafs.FileType.Directory:
+        infos = [i for i in fs.get_file_info(pafs.FileSelector(info.path, recursive=True))
+                 if i.type == pafs.FileType.File]
+    return ";".join(f"{i.path}:{i.size}:{i.mtime_ns}" for i in sorted(infos, key=lambda i: i.path))
 
 
 def iter_lines(uri: str) -> Iterator[str]:
@@ -187,3 +226,57 @@ def iter_lines(uri: str) -> Iterator[str]:
                 yield line.rstrip("\n").rstrip("\r")
         except UnicodeDecodeError as e:
             raise ValueError(f"{uri}: invalid UTF-8 after line {lineno}: {e}") from e
+
+
+class StorageAccessError(OSError):
+    """A work dir or storage path cannot be reached, read or written; the message says why."""
+
+
+def check_access(uri: str, write: bool = True) -> None:
+    """Fail fast, before any stage runs, when ``uri`` cannot be listed (or, with ``write``, written).
+
+    Object-store errors come back from pyarrow as a bare ``OSError``; this names the endpoint, the
+    bucket, what went wrong (no such bucket, refused credentials, no answer) and what to check.
+    """
+    probe = join(absolute(uri), f".write_probe-{uuid.uuid4().hex[:8]}")
+    try:
+        fs, path = resolve(uri)
+        fs.get_file_info(path)
+        if write:
+            write_text(probe, "ok")
+            rmtree(probe)
+    except OSError as e:
+        raise StorageAccessError(describe_error(uri, e, "write to" if write else "read")) from e
+
+
+def describe_error(uri: str, error: BaseException, action: str = "use") -> str:
+    """A message for a failed access to ``uri``: where it went, the likely cause, what to check."""
+    raw = " ".join(str(error).split())
+    if not is_remote(uri):
+        return f"cannot {action} {uri} ({raw}); check the path and its permissions"
+    scheme, rest = uri.split("://", 1)
+    bucket = rest.split("/", 1)[0]
+    where = f"bucket '{bucket}'"
+    if scheme == "s3":
+        endpoint = next((f"{os.environ[k]} (from {k})" for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+                         if os.environ.get(k)), "AWS S3 (no AWS_ENDPOINT_URL set)")
+        where += f" at {endpoint}"
+        creds = ("AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN)" if
+                 os.environ.get("AWS_ACCESS_KEY_ID") else
+                 "AWS_ACCESS_KEY_ID is not set, so AWS_PROFILE / ~/.aws / the instance role is used")
+    else:
+        creds = "GOOGLE_APPLICATION_CREDENTIALS or the instance's service account"
+    upper = raw.upper()
+    if any(s in upper for s in ("NO_SUCH_BUCKET", "NOSUCHBUCKET", "BUCKET DOES NOT EXIST")) or (
+            f"BUCKET '{bucket.upper()}' NOT FOUND" in upper):
+        hint = "the bucket does not exist: create it or fix the bucket name in the URI"
+    elif any(s in upper for s in ("ACCESS_DENIED", "ACCESSDENIED", "INVALID_ACCESS_KEY", "SIGNATURE",
+                                  "FORBIDDEN", "CREDENTIAL", "EXPIRED", "403")):
+        hint = f"the credentials were refused or lack permission on this bucket: check {creds}"
+    elif any(s in upper for s in ("NETWORK_CONNECTION", "COULD NOT CONNECT", "RESOLVE HOST", "TIMED OUT",
+                                  "TIMEOUT", "CURLCODE")):
+        hint = ("the object store does not answer: check the endpoint (AWS_ENDPOINT_URL or "
+                "AWS_ENDPOINT_URL_S3 for an S3-compatible store) and the network")
+    else:
+        hint = f"check the bucket name, the endpoint (AWS_ENDPOINT_URL) and {creds}"
+    return f"cannot {action} {uri} ({where}): {hint} [{raw}]"

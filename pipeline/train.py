@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from model import ModelConfig
+from pipeline.data_ray import ensure_ray
 from pipeline import batching, storage, train_checkpoint
 from pipeline.config import Config
 from pipeline.stage import StageContext, StageResult
@@ -178,8 +179,7 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    if not ray.is_initialized():
-        ray.init(address=cfg.run.ray_address or None)
+    ensure_ray(cfg)
     tc = cfg.train
     num_gpus = ray.cluster_resources().get("GPU", 0)
     use_gpu = bool(tc.use_gpu and num_gpus >= 1)

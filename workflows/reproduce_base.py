@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ if str(REPO) not in sys.path:  # `python workflows/reproduce_base.py` puts workf
 
 from pipeline import storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
+from pipeline.data_ray import ensure_ray  # noqa: E402
 from pipeline.dag import ORDER  # noqa: E402
 from pipeline.stage import NotImplementedStage  # noqa: E402
 from workflows import runner  # noqa: E402
@@ -46,36 +46,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-def start_ray(cfg) -> bool:
-    """Connect to the cluster of a submitted job, or the one named; else start a local Ray.
-
-    Returns True when this process started Ray (and so must stop it).
-    """
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or None
-    if address:
-        ray.init(address=address, log_to_driver=True)
-        return False
-    ray.init(runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=True)
-    return True
-
-
-def preflight(cfg) -> None:
-    """Clear errors before any GPU time: the work dir is writable, tracking answers."""
+def preflight(cfg, write: bool = True, check_tracking: bool = True) -> None:
+    """Clear errors before any GPU time: the work dir (and Ray Train's storage path) can be
+    written (with ``write=False``, read: enough for ``--plan``), tracking answers."""
     from pipeline import tracking
 
-    probe = storage.join(storage.absolute(cfg.run.work_dir), ".write_probe")
-    try:
-        storage.write_text(probe, "ok")
-        storage.rmtree(probe)
-    except OSError as e:
-        raise ConfigError(f"run.work_dir: cannot write to {cfg.run.work_dir} ({e}); "
-                          "check the path or the object store's credentials/endpoint") from e
-    if cfg.tracking.enabled:
-        tracking.check_reachable(tracking.tracking_uri_for(cfg))
+    for key in ("work_dir", "storage_path"):
+        uri = getattr(cfg.run, key)
+        if not uri:
+            continue
+        try:
+            storage.check_access(uri, write=write)
+        except OSError as e:
+            raise ConfigError(f"run.{key}: {e}") from e
+    if cfg.tracking.enabled and check_tracking:
+        uri = tracking.tracking_uri_for(cfg)
+        tracking.check_reachable(uri)
+        if storage.is_remote(cfg.run.work_dir) and uri.startswith("sqlite:"):
+            log.warning("tracking: the work dir is on an object store but MLflow writes to %s on this "
+                        "machine only; set tracking.uri or MLFLOW_TRACKING_URI to a server to keep the runs",
+                        uri)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, overrides)
+        preflight(cfg, write=not args.plan, check_tracking=not args.plan)  # before the plan reads the work dir
         plans = runner.make_plan(cfg, only=args.only, from_=args.from_, force=tuple(args.force), to=args.to)
-    except (ConfigError, runner.PlanError) as e:
+    except (ConfigError, runner.PlanError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(runner.format_plan(plans), flush=True)
@@ -96,10 +87,9 @@ def main(argv: list[str] | None = None) -> int:
 
     started_ray = False
     try:
-        preflight(cfg)
         with WorkDirLock(cfg.run.work_dir):
             if any(p.action == "run" for p in plans):
-                started_ray = start_ray(cfg)
+                started_ray = ensure_ray(cfg)
             tracking = Tracking(cfg)
             with tracking.parent_run({"config_file": str(args.config), "argv": " ".join(sys.argv[1:])}):
                 runner.execute(cfg, plans, tracking)
