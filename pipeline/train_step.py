@@ -66,9 +66,10 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch]
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
         with sync:
+            target = mb.tgt_out[mb.tgt_out != pad_id]  # (M,): the projection skips pad positions
             with autocast():
-                logits = model(mb.src, mb.tgt_in)  # (B, T, V)
-            loss, nll = label_smoothed_nll(logits, mb.tgt_out, epsilon=epsilon, ignore_index=pad_id)
+                logits = model(mb.src, mb.tgt_in, nonpad_only=True)  # (M, V)
+            loss, nll = label_smoothed_nll(logits, target, epsilon=epsilon, ignore_index=pad_id)
             if mb.weight != 1.0:
                 loss, nll = loss * mb.weight, nll * mb.weight
             scaled = loss * scale

@@ -1,0 +1,78 @@
+"""Model hyper-parameters (Vaswani et al., 2017, Table 3)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    """Hyper-parameters of the encoder-decoder Transformer. Defaults are "base" (Table 3)."""
+
+    vocab_size: int  # shared source/target BPE vocabulary, ~37000 for WMT14 EN-DE (§5.1)
+    pad_id: int = 0  # our SentencePiece model: pad=0, unk=1, bos=2, eos=3
+    bos_id: int = 2  # first decoder input token (decoder input = [bos] + pieces)
+    eos_id: int = 3  # ends source and target (source = pieces + [eos])
+    d_model: int = 512  # model width d_model (§3, Table 3 base)
+    d_ff: int = 2048  # inner width of the position-wise feed-forward net d_ff (§3.3)
+    n_heads: int = 8  # attention heads h, d_k = d_v = d_model / h = 64 (§3.2.2)
+    n_encoder_layers: int = 6  # encoder stack depth N (§3.1)
+    n_decoder_layers: int = 6  # decoder stack depth N (§3.1)
+    dropout: float = 0.1  # residual + embedding dropout P_drop (§5.4)
+    max_positions: int = 1024  # sinusoid table length; must cover the longest source + 50 (§6.1)
+    tie_embeddings: bool = True  # one matrix for src emb, tgt emb and pre-softmax proj (§3.4)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
+        self.dropout = float(self.dropout)
+        for name in ("vocab_size", "d_model", "d_ff", "n_heads", "n_encoder_layers",
+                     "n_decoder_layers", "max_positions"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(f"ModelConfig.d_model ({self.d_model}) must be divisible by "
+                             f"ModelConfig.n_heads ({self.n_heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            value = getattr(self, name)
+            if not 0 <= value < self.vocab_size:
+                raise ValueError(f"ModelConfig.{name}={value} must be in [0, vocab_size={self.vocab_size})")
+        if len({self.pad_id, self.bos_id, self.eos_id}) != 3:
+            raise ValueError("ModelConfig.pad_id, bos_id and eos_id must be distinct, got "
+                             f"{self.pad_id}, {self.bos_id}, {self.eos_id}")
+
+    @classmethod
+    def base(cls, vocab_size: int, **overrides: Any) -> "ModelConfig":
+        """Transformer base (Table 3): d_model 512, d_ff 2048, h 8, P_drop 0.1, ~63M params at 37k vocab."""
+        return cls.from_dict({"vocab_size": vocab_size, **overrides})
+
+    @classmethod
+    def big(cls, vocab_size: int, **overrides: Any) -> "ModelConfig":
+        """Transformer big (Table 3): d_model 1024, d_ff 4096, h 16, P_drop 0.3 (EN-DE; §6.1)."""
+        big = {"d_model": 1024, "d_ff": 4096, "n_heads": 16, "dropout": 0.3}
+        return cls.from_dict({"vocab_size": vocab_size, **big, **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of all fields."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Inverse of `to_dict`; unknown keys are an error naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig key(s): {', '.join(unknown)}")
+        return cls(**d)
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    """Reject wrong types by field name (bools are not ints; ints are fine for floats)."""
+    expected = {"int": int, "float": (int, float), "bool": bool}[str(annotation)]
+    ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
+    if not ok:
+        raise TypeError(f"ModelConfig.{name} must be {annotation}, got {type(value).__name__} {value!r}")
