@@ -128,6 +128,9 @@ class TrainConfig:
     eval_interval_steps: int = op(1000)
     log_interval_steps: int = op(100)
     max_failures: int = op(3)  # Ray Train FailureConfig: worker failures survived per run
+    # Ray placement of the workers: "PACK" (fill a node first: NVLink/NCCL within one 8-GPU node),
+    # "SPREAD", or "STRICT_SPREAD" (one worker per node).
+    placement_strategy: str = op("PACK")
 
     def validate(self) -> None:
         _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
@@ -144,6 +147,8 @@ class TrainConfig:
         _check(self.eval_interval_steps > 0, "train.eval_interval_steps", "must be > 0")
         _check(self.log_interval_steps > 0, "train.log_interval_steps", "must be > 0")
         _check(self.max_failures >= 0, "train.max_failures", "must be >= 0")
+        _check(self.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+               "train.placement_strategy", "must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
 
 
 @dataclass

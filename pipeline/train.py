@@ -191,7 +191,8 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
         train_fn_per_worker,
         train_loop_config=spec.to_dict(),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=use_gpu),
+        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=use_gpu,
+                                     placement_strategy=tc.placement_strategy),
         run_config=RunConfig(
             name=run_name, storage_path=storage_path,
             failure_config=FailureConfig(max_failures=tc.max_failures),

@@ -12,7 +12,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -32,8 +34,10 @@ def start(cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> 
 
 
 def session_pids(sid: int) -> list[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,sid="], capture_output=True, text=True).stdout
-    return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid]
+    """Live processes of session `sid` (zombies, already dead but not yet reaped, are left out)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,sid=,stat="], capture_output=True, text=True).stdout
+    return [int(p) for p, s, stat in (line.split() for line in out.splitlines())
+            if int(s) == sid and not stat.startswith("Z")]
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
@@ -67,10 +71,20 @@ def wait_http(url: str, timeout_s: float = 120.0, proc: subprocess.Popen | None 
             with urllib.request.urlopen(url, timeout=5) as r:
                 if r.status < 500:
                     return
+        except urllib.error.HTTPError as e:  # it answers: 401/403 when Ray token auth is on
+            if e.code < 500:
+                return
+            last = e
         except OSError as e:
             last = e
         time.sleep(1)
     raise TimeoutError(f"{url} did not answer in {timeout_s} s ({last})")
+
+
+def _own_ports() -> list[str]:
+    """Ports Ray would otherwise take at fixed defaults (the dashboard agent's 52365): another Ray on
+    the machine holding one leaves this node without a job agent ("No available agent to submit job")."""
+    return [f"--dashboard-agent-listen-port={free_port()}"]
 
 
 class RayHead:
@@ -79,10 +93,17 @@ class RayHead:
     def __init__(self, tmp: Path, num_cpus: int = 2, resources: str | None = None):
         self.gcs_port, self.dashboard_port = free_port(), free_port()
         self.tmp = tmp
+        # Its own Ray temp dir (short: socket paths have a ~107-byte limit): `ray start` records the
+        # cluster's address in <temp dir>/ray_current_cluster, and a plain `ray.init()` anywhere on the
+        # machine joins the cluster named in /tmp/ray/ray_current_cluster, or hangs on it once the
+        # cluster is stopped. Session logs are under `self.temp_dir/session_latest/logs`.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
         cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+               f"--temp-dir={self.temp_dir}",
                f"--port={self.gcs_port}", "--dashboard-host=127.0.0.1",
                f"--dashboard-port={self.dashboard_port}", f"--num-cpus={num_cpus}",
-               "--disable-usage-stats", "--include-dashboard=true"]
+               "--disable-usage-stats", "--include-dashboard=true", *_own_ports(),
+               f"--ray-client-server-port={free_port()}"]
         if resources:
             cmd.append(f"--resources={resources}")
         self.proc = start(cmd, tmp / "ray-head.log", env={"RAY_USAGE_STATS_ENABLED": "0"})
@@ -92,7 +113,7 @@ class RayHead:
 
     def add_worker(self, num_cpus: int, resources: str | None = None, name: str = "worker") -> subprocess.Popen:
         cmd = [str(BIN / "ray"), "start", "--block", f"--address={self.address}",
-               "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--disable-usage-stats"]
+               "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", "--disable-usage-stats", *_own_ports()]
         if resources:
             cmd.append(f"--resources={resources}")
         return start(cmd, self.tmp / f"ray-{name}.log", env={"RAY_USAGE_STATS_ENABLED": "0"})
