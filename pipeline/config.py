@@ -333,7 +333,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _apply(cfg, data, str(path))
     if overrides:
         _apply(cfg, parse_overrides(overrides), "the command line")
+    _normalize(cfg)
     return cfg.validate()
+
+
+def _normalize(cfg: Config) -> None:
+    """One spelling per local mirror folder, so `../x` and `/abs/x` give the same cache key."""
+    mirror = cfg.data.mirror
+    if mirror and "://" not in mirror:
+        cfg.data.mirror = str(Path(mirror).expanduser().resolve())
 
 
 def from_dict(data: dict[str, Any]) -> Config:

@@ -1,4 +1,4 @@
-"""cluster.yaml against the Ray cluster launcher's own schema, and the properties docs/cluster.md relies on."""
+"""cluster.yaml against the Ray cluster launcher's own schema, and the properties README.md ("Run on a cluster") relies on."""
 
 from __future__ import annotations
 

@@ -70,3 +70,12 @@ def test_operational_fields_are_not_cache_material():
     cfg = Config()
     assert "num_workers" not in cfg.section_for_cache("train")
     assert "max_steps" in cfg.section_for_cache("train")
+
+
+def test_a_local_mirror_has_one_spelling(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    a = load_config(None, ["--data.mirror=./m"])
+    b = load_config(None, [f"--data.mirror={tmp_path}/x/../m"])
+    assert a.data.mirror == b.data.mirror == str(tmp_path / "m")
+    assert load_config(None, ["--data.mirror=http://host/wmt"]).data.mirror == "http://host/wmt"
