@@ -2,21 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from model import ModelConfig, Transformer
 
 PAD, BOS, EOS = 0, 2, 3
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tests are tiny; extra OpenMP threads only spin on a busy machine. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 
 def _model(seed: int = 0) -> Transformer:

@@ -13,15 +13,6 @@ from model.transformer import DecoderLayer, EncoderLayer, key_padding_to_attn_ma
 
 D, H, D_FF = 16, 4, 32
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tests are tiny; extra OpenMP threads only spin on a busy machine. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 
 def _tiny_cfg(**kw) -> ModelConfig:
     return ModelConfig(vocab_size=11, d_model=D, d_ff=D_FF, n_heads=H, dropout=0.1, **kw)

@@ -28,15 +28,6 @@ TABLES = {
     12: {"*": {A: 0.9, B: 0.06, EOS: 0.04}},
 }
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tests are tiny; extra OpenMP threads only spin on a busy machine. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 
 class StubState:
     def __init__(self, keys: list[int], beam_size: int, max_len: int):

@@ -12,15 +12,6 @@ from model import (ADAM_BETAS, ADAM_EPS, ModelConfig, Transformer, average_check
                    label_smoothed_nll, make_optimizer, make_scheduler, noam_lambda, noam_lr)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tests are tiny; extra OpenMP threads only spin on a busy machine. Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 
 def test_noam_lr_formula():
     assert noam_lr(1) == pytest.approx(512 ** -0.5 * 1 * 4000 ** -1.5)
