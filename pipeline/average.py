@@ -76,6 +76,7 @@ def run(ctx: StageContext) -> StageResult:
     log.info("wrote %s (%d parameters, %.1f MiB)", model_uri, num_params, buf.tell() / 2**20)
     return StageResult(
         outputs={"model": model_uri, "model_config": model_config, "averaged": chosen,
-                 "steps": steps, "train_final_step": train.get("final_step")},
+                 "steps": steps, "train_final_step": train.get("final_step"),
+                 "train_compute": {k: train.get(k) for k in ("wall_s", "num_workers", "device", "gpu_hours")}},
         metrics={"average/num_checkpoints": float(len(chosen))},
     )

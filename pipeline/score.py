@@ -65,6 +65,7 @@ def render_report(scores: dict[str, dict[str, Any]], tr: dict[str, Any]) -> str:
             f"dropout {mc.get('dropout')}",
             f"- training: {tr.get('train_final_step')} steps; averaged the last {len(averaged)} checkpoint(s) "
             f"(steps {tr.get('averaged_steps')}); the paper averages 5 (base) / 20 (big), §6.1",
+            _compute_line(tr.get("train_compute") or {}),
             f"- decoding: beam {dec.get('beam_size')}, alpha {dec.get('alpha')}, max length "
             f"{dec.get('max_len_a')} * source + {dec.get('max_len_b')} (§6.1: 4, 0.6, source + 50)"]
     for split, s in scores.items():
@@ -78,6 +79,14 @@ def render_report(scores: dict[str, dict[str, Any]], tr: dict[str, Any]) -> str:
             "(sacremoses, escaping on as in the script) on hypothesis and reference, the ATAT split "
             "`s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g` on both, then multi-bleu.perl's corpus BLEU.", ""]
     return "\n".join(out)
+
+
+def _compute_line(c: dict[str, Any]) -> str:
+    if not c.get("wall_s"):
+        return "- training compute: not recorded"
+    return (f"- training compute: {c['wall_s'] / 3600:.2f} h of training loop on {c.get('num_workers')} "
+            f"{c.get('device')} worker(s), {c.get('gpu_hours', 0.0):.1f} GPU-hours "
+            "(paper, base: 12 h on 8 P100 = 96 GPU-hours, §5.2)")
 
 
 def run(ctx: StageContext) -> StageResult:

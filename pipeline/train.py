@@ -173,6 +173,13 @@ def forget_run(cfg: Config, key: str) -> None:
     storage.rmtree(storage.join(storage_path_for(cfg), key))
 
 
+def gpu_training(cfg: Config) -> bool:
+    """Train on GPUs when asked to and the (already connected) Ray cluster has one."""
+    import ray
+
+    return bool(cfg.train.use_gpu and ray.cluster_resources().get("GPU", 0) >= 1)
+
+
 def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
     """Run (or resume) the Ray Train run `run_name`; the `Result`."""
     import ray
@@ -181,8 +188,7 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
 
     ensure_ray(cfg)
     tc = cfg.train
-    num_gpus = ray.cluster_resources().get("GPU", 0)
-    use_gpu = bool(tc.use_gpu and num_gpus >= 1)
+    use_gpu = gpu_training(cfg)
     if tc.use_gpu and not use_gpu:
         log.warning("train.use_gpu = true but the Ray cluster has no GPU: training on CPU (fp32)")
     if not use_gpu and tc.precision != "fp32":
@@ -254,7 +260,11 @@ def run(ctx: StageContext) -> StageResult:
                  "storage_path": storage_path, "tokens_seen": tokens,
                  "wall_s": float(summary.get("train_time_s", 0.0)), "model_config": mc.to_dict(),
                  "data": stats, "precision": summary.get("precision"),
-                 "resumed_from_step": int(summary.get("start_step", 0))},
+                 "resumed_from_step": int(summary.get("start_step", 0)),
+                 # For the score report: the compute this result cost (loop time x workers).
+                 "num_workers": ctx.cfg.train.num_workers, "device": "GPU" if gpu_training(ctx.cfg) else "CPU",
+                 "gpu_hours": (float(summary.get("train_time_s", 0.0)) * ctx.cfg.train.num_workers / 3600
+                               if gpu_training(ctx.cfg) else 0.0)},
         metrics=metrics)
 
 
