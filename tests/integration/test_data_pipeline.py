@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import http.server
-import threading
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.support.http import serve
 from pipeline import download, encode, prepare, vocab
 from pipeline.config import Config
 from pipeline.data_fetch import DataError
@@ -22,14 +22,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def mirror_url(mirror_dir):
-    handler = functools.partial(_QuietHandler, directory=str(mirror_dir))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    with serve(functools.partial(_QuietHandler, directory=str(mirror_dir))) as url:
+        yield url + "/"
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):

@@ -6,11 +6,11 @@ import hashlib
 import http.server
 import re
 import shutil
-import threading
 from pathlib import Path
 
 import pytest
 
+from tests.support.http import serve
 from pipeline import data_fetch, download
 from pipeline.config import Config
 from pipeline.data_fetch import ChecksumError, DataError, extract_members, fetch, http_download
@@ -52,13 +52,8 @@ class _RangeHandler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server():
     _RangeHandler.cuts, _RangeHandler.seen_ranges = 0, []
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    with serve(_RangeHandler) as url:
+        yield url
 
 
 @pytest.fixture(autouse=True)
