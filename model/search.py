@@ -10,6 +10,9 @@ Both functions only use this protocol, so tests can plug in a stub with fixed ta
     model.decode_step(prev_ids (N,) long, state) -> logits (N, V); feeds one token per row
     state.reorder(indices (N,) long): row r continues the history of row indices[r]; indices
         never leave a sentence's block of rows
+    optional: state.first_step_per_sentence = True means decode_step also takes prev_ids (B,) at
+        step 0 (one row per sentence, copied to its beams; returns (B, V)); beam search then
+        feeds the shared bos once per sentence instead of beam_size times
 
 Search applies log_softmax to the logits, so a stub may return log-probabilities directly.
 Deviation: pad and bos get log-probability -inf (the paper does not describe its search)
@@ -66,6 +69,23 @@ def _max_lens(model: Any, src_ids: torch.Tensor, max_len_a: float, max_len_b: in
     return torch.tensor(max_lens, device=src_ids.device)
 
 
+def _topk_rows(x: torch.Tensor, n: int, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.topk(n, dim=1) for a wide (N, V) x, ~2.5x faster on CPU at V = 8000: the n best entries
+    of a row lie in the n blocks of `block` columns with the highest maxima, so only those blocks
+    (and the last V % block columns) go through topk. Same values; among exactly equal values
+    the indices may differ from torch.topk's. Small V, or not on CPU: plain topk."""
+    N, V = x.shape
+    n_blocks = V // block
+    if n_blocks < 8 * n or x.device.type != "cpu":
+        return x.topk(n, dim=1)
+    best_blocks = x[:, : n_blocks * block].view(N, n_blocks, block).amax(dim=2).topk(n, dim=1).indices  # (N, n)
+    cols = (best_blocks[:, :, None] * block + torch.arange(block, device=x.device)).view(N, n * block)
+    if n_blocks * block < V:
+        cols = torch.cat([cols, torch.arange(n_blocks * block, V, device=x.device).expand(N, -1)], dim=1)
+    values, pos = x.gather(1, cols).topk(n, dim=1)
+    return values, cols.gather(1, pos)
+
+
 def _next_candidates(model: Any, prev_ids: torch.Tensor, state: Any, step: int, row_max_lens: torch.Tensor,
                      n_best: int, forced_steps: set[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The n_best most likely next tokens of every row: (log-probs (N, n) float32, ids (N, n)).
@@ -75,7 +95,7 @@ def _next_candidates(model: Any, prev_ids: torch.Tensor, state: Any, step: int, 
     """
     cfg = model.cfg
     all_lprobs = torch.log_softmax(model.decode_step(prev_ids, state).float(), dim=-1)  # (N, V)
-    lprobs, ids = all_lprobs.topk(min(n_best + 2, all_lprobs.shape[1]), dim=-1)  # (N, n), sorted
+    lprobs, ids = _topk_rows(all_lprobs, min(n_best + 2, all_lprobs.shape[1]))  # (N, n), sorted
     lprobs.masked_fill_(ids.eq(cfg.pad_id) | ids.eq(cfg.bos_id), -math.inf)
     if step in forced_steps:  # rare: only steps where some sentence reaches its limit
         forced = row_max_lens.eq(step)  # (N,)
@@ -172,20 +192,29 @@ def beam_search(model: DecodingModel, src_ids: torch.Tensor, beam_size: int = 4,
         best_score = torch.full((B,), -math.inf, device=src_ids.device)
         done = torch.zeros(B, dtype=torch.bool, device=src_ids.device)
         forced_steps = set(max_lens.tolist())
-        prev = src_ids.new_full((B * k,), cfg.bos_id)
+        # At step 0 a sentence's k beams are the same bos: a state that allows it (Transformer's)
+        # computes one row per sentence (its candidates then all come from beam 0).
+        first_shared = (k > 1 and getattr(state, "first_step_per_sentence", False)
+                        and getattr(cfg, "vocab_size", 0) >= 2 * k)
+        prev = src_ids.new_full((B if first_shared else B * k,), cfg.bos_id)
         row_base = torch.arange(B, device=src_ids.device)[:, None] * k  # (B, 1)
         for t in range(L + 1):
+            kt = 1 if t == 0 and first_shared else k  # rows fed per sentence
             # The global 2k best extensions are among each row's 2k best tokens.
-            lprobs, ids = _next_candidates(model, prev, state, t, row_max_lens, 2 * k, forced_steps)  # (N, c)
+            lprobs, ids = _next_candidates(model, prev, state, t, max_lens if kt == 1 else row_max_lens, 2 * k,
+                                           forced_steps)  # (B * kt, c)
             c = lprobs.shape[1]
-            top_scores, top_idx = (scores[:, :, None] + lprobs.view(B, k, c)).view(B, k * c).topk(2 * k, dim=1)
-            top_beam, top_tok = top_idx // c, ids.view(B, k * c).gather(1, top_idx)  # (B, 2k)
+            top_scores, top_idx = (scores[:, :kt, None] + lprobs.view(B, kt, c)).view(B, kt * c).topk(2 * k, dim=1)
+            top_beam, top_tok = top_idx // c, ids.view(B, kt * c).gather(1, top_idx)  # (B, 2k)
             is_eos = top_tok.eq(cfg.eos_id)
-            best_tokens, best_score = _finish(top_scores[:, :k], top_beam[:, :k], is_eos[:, :k], tokens, t,
-                                              cfg.eos_id, alpha, done, best_tokens, best_score)
-            # Continue: the k best non-eos extensions (sorted, so column 0 is the best).
-            scores, order = top_scores.masked_fill(is_eos, -math.inf).topk(k, dim=1)  # (B, k)
-            new_beam, new_tok = top_beam.gather(1, order), top_tok.gather(1, order)
+            if bool(is_eos.any()):
+                best_tokens, best_score = _finish(top_scores[:, :k], top_beam[:, :k], is_eos[:, :k], tokens, t,
+                                                  cfg.eos_id, alpha, done, best_tokens, best_score)
+                # Continue: the k best non-eos extensions (sorted, so column 0 is the best).
+                scores, order = top_scores.masked_fill(is_eos, -math.inf).topk(k, dim=1)  # (B, k)
+                new_beam, new_tok = top_beam.gather(1, order), top_tok.gather(1, order)
+            else:  # nothing finishes; top_scores is sorted, so the k best are its first k
+                scores, new_beam, new_tok = top_scores[:, :k], top_beam[:, :k], top_tok[:, :k]
             tokens = tokens.gather(1, new_beam[:, :, None].expand(B, k, L + 1))
             tokens[:, :, t] = new_tok
             lp_reachable = lp_longest.clamp(min=gnmt_length_penalty(t + 2, alpha))  # max over reachable lengths
@@ -193,6 +222,6 @@ def beam_search(model: DecodingModel, src_ids: torch.Tensor, beam_size: int = 4,
             if bool(done.all()):
                 break
             state.reorder((new_beam + row_base).view(-1))
-            prev = new_tok.view(-1)
+            prev = new_tok.reshape(-1)
         hyps = _to_lists(best_tokens, cfg.eos_id, cfg.pad_id)
         return (hyps, best_score.tolist()) if return_scores else hyps

@@ -1,0 +1,108 @@
+"""Speed paths against the plain ones: packed (pad-free) encoder/decoder layers, the eval-mode
+decode step, the shared first beam-search step, the blocked top-k."""
+
+from __future__ import annotations
+
+import torch
+
+from model import ModelConfig, Transformer, beam_search
+from model.search import _topk_rows
+from model.transformer import (
+    DecoderState,
+    EncoderLayer,
+    Packing,
+    key_padding_to_attn_mask,
+)
+
+PAD, BOS, EOS = 0, 2, 3
+
+
+def _model(seed: int = 0, dropout: float = 0.1, vocab: int = 23) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=3,
+                      max_positions=40, dropout=dropout)
+    return Transformer(cfg).eval()
+
+
+def _src(vocab: int = 23) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(4, vocab, (3, 7), generator=g)
+    for b, n in enumerate([7, 4, 2]):
+        src[b, n - 1], src[b, n:] = EOS, PAD
+    return src
+
+
+@torch.no_grad()
+def test_packed_encoder_layer_equals_padded_at_real_positions():
+    torch.manual_seed(0)
+    layer = EncoderLayer(ModelConfig(vocab_size=11, d_model=16, d_ff=32, n_heads=4)).eval()
+    x = torch.randn(3, 7, 16)
+    pad = torch.arange(7)[None, :] >= torch.tensor([7, 4, 1])[:, None]
+    packing = Packing(~pad)
+    padded = layer(x, key_padding_to_attn_mask(pad))
+    packed = layer(packing.pack(x), key_padding_to_attn_mask(pad), packing)
+    assert packed.shape == (12, 16)
+    assert (packed - padded[~pad]).abs().max() < 1e-5
+    assert torch.equal(packing.unpack(packed)[pad], torch.zeros(int(pad.sum()), 16))
+
+
+@torch.no_grad()
+def test_encode_equals_padded_layers_at_real_positions_and_is_zero_at_padding():
+    model = _model()
+    src = _src()
+    memory, src_pad_mask = model.encode(src)
+    x = model._embed(model.src_embed, src)
+    for layer in model.encoder_layers:  # the unpacked computation
+        x = layer(x, key_padding_to_attn_mask(src_pad_mask))
+    assert (memory - x)[~src_pad_mask].abs().max() < 1e-5
+    assert memory[src_pad_mask].abs().max() == 0
+
+
+@torch.no_grad()
+def test_eval_decode_step_equals_module_path_with_beams_and_shared_first_step():
+    """Eval mode runs `_decoder_layer_step` on transposed weight copies; train mode (dropout 0
+    here) runs the modules. Step 0 fed one row per sentence equals feeding all k beams."""
+    model = _model(1, dropout=0.0)
+    src, k, T = _src(), 3, 6
+    memory, src_pad_mask = model.encode(src)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(4, 23, (3 * k, T), generator=g)
+    rows[:, 0] = BOS
+    fast = model.init_decoder_state(memory, src_pad_mask, beam_size=k, max_len=T)
+    model.train()
+    slow = model.init_decoder_state(memory, src_pad_mask, beam_size=k, max_len=T)
+    assert slow.layer_weights_t is None and fast.layer_weights_t is not None
+    slow_logits = model.decode_step(rows[:, 0], slow)  # (N, V), all k beams fed
+    model.eval()
+    fast_logits = model.decode_step(rows[::k, 0], fast)  # (B, V), one row per sentence
+    assert fast_logits.shape == (3, 23)
+    assert (fast_logits.repeat_interleave(k, dim=0) - slow_logits).abs().max() < 1e-5
+    for t in range(1, T):
+        perm = (torch.arange(3)[:, None] * k + torch.randint(0, k, (3, k), generator=g)).view(-1)
+        fast.reorder(perm), slow.reorder(perm)
+        model.train()
+        slow_logits = model.decode_step(rows[:, t], slow)
+        model.eval()
+        assert (model.decode_step(rows[:, t], fast) - slow_logits).abs().max() < 1e-5, t
+
+
+def test_beam_search_shared_first_step_changes_nothing(monkeypatch):
+    model = _model(2, vocab=40)
+    src = _src(40)
+    shared = beam_search(model, src, beam_size=4, max_len_b=8, return_scores=True)
+    monkeypatch.setattr(DecoderState, "first_step_per_sentence", False)
+    plain = beam_search(model, src, beam_size=4, max_len_b=8, return_scores=True)
+    assert shared[0] == plain[0]
+    assert max(abs(a - b) for a, b in zip(shared[1], plain[1])) < 1e-5
+
+
+def test_blocked_topk_equals_topk():
+    g = torch.Generator().manual_seed(0)
+    for V in (8000, 8003, 700):  # multiple of the block, a remainder, too small (plain topk)
+        x = torch.randn(12, V, generator=g)
+        values, ids = _topk_rows(x, 10)
+        ref_values, ref_ids = x.topk(10, dim=1)
+        assert torch.equal(values, ref_values) and torch.equal(ids, ref_ids)
+    x = torch.full((2, 8000), -5.0)
+    x[0, 7999], x[1, 0] = 1.0, 2.0  # winners in the remainder-free last block and the first
+    assert _topk_rows(x, 10)[1][:, 0].tolist() == [7999, 0]
