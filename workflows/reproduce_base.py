@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             tracking = Tracking(cfg)
             with tracking.parent_run({"config_file": str(args.config), "argv": " ".join(sys.argv[1:])}):
                 manifests = runner.execute(cfg, plans, tracking)
-        if "score" in manifests:  # the one table a user looks for: ours next to the paper's
-            print("\n" + storage.read_text(manifests["score"].outputs["report"]), flush=True)
+        report = manifests["score"].outputs.get("report") if "score" in manifests else None
+        if report:  # the one table a user looks for: ours next to the paper's
+            print("\n" + storage.read_text(report), flush=True)
     except (ConfigError, WorkDirBusy, ConnectionError, NotImplementedStage) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
