@@ -97,7 +97,7 @@ def encoded_batches(ctx: StageContext, split_dirs: dict[str, str], model_uri: st
 def run(ctx: StageContext) -> StageResult:
     import ray
 
-    from pipeline.data_ray import ensure_ray
+    from pipeline.ray_env import ensure_ray
 
     ensure_ray(ctx.cfg)
     prepared = ctx.inputs["prepare"].outputs["splits"]

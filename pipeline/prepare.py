@@ -74,7 +74,7 @@ def _run_tasks(ctx: StageContext, staging: str) -> list[Any]:
     """Start one Ray task per file pair; returns their refs in the fixed job order."""
     import ray
 
-    from pipeline.data_ray import ensure_ray
+    from pipeline.ray_env import ensure_ray
 
     ensure_ray(ctx.cfg)
     d = ctx.cfg.data

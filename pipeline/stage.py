@@ -109,7 +109,15 @@ class Stage:
     checksum_files: bool = True  # sha256 every output file in the manifest
 
     def load(self) -> Callable[[StageContext], StageResult]:
-        module_name, func_name = self.impl.split(":")
+        return self._resolve(self.impl)
+
+    def forget_state(self, cfg: Config, key: str) -> None:
+        """Drop a resumable stage's state (e.g. train's Ray Train run) so it starts from scratch."""
+        if self.forget:
+            self._resolve(self.forget)(cfg, key)
+
+    def _resolve(self, spec: str) -> Callable[..., Any]:
+        module_name, func_name = spec.split(":")
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
@@ -118,7 +126,7 @@ class Stage:
             raise
         fn = getattr(module, func_name, None)
         if fn is None:
-            raise NotImplementedStage(f"stage '{self.name}' is not implemented ({self.impl} missing)")
+            raise NotImplementedStage(f"stage '{self.name}' is not implemented ({spec} missing)")
         return fn
 
     def key_material(self, cfg: Config) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from model import ModelConfig
-from pipeline.data_ray import ensure_ray
+from pipeline.ray_env import ensure_ray
 from pipeline import batching, storage, train_checkpoint
 from pipeline.config import Config
 from pipeline.stage import StageContext, StageResult
@@ -182,7 +182,6 @@ def gpu_training(cfg: Config) -> bool:
 
 def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
     """Run (or resume) the Ray Train run `run_name`; the `Result`."""
-    import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -253,6 +252,7 @@ def run(ctx: StageContext) -> StageResult:
                "train/driver_wall_s": time.time() - t0,
                **{f"val/final_{k[4:]}": float(v) for k, v in last.items() if k.startswith("val/")}}
     tokens = summary.get("tokens_seen", {"src": 0, "tgt": 0})
+    on_gpu = gpu_training(ctx.cfg)
     log.info("train: done at step %d, %d checkpoint(s) kept, %d target tokens seen", final_step,
              len(checkpoints), tokens["tgt"])
     return StageResult(
@@ -262,9 +262,9 @@ def run(ctx: StageContext) -> StageResult:
                  "data": stats, "precision": summary.get("precision"),
                  "resumed_from_step": int(summary.get("start_step", 0)),
                  # For the score report: the compute this result cost (loop time x workers).
-                 "num_workers": ctx.cfg.train.num_workers, "device": "GPU" if gpu_training(ctx.cfg) else "CPU",
-                 "gpu_hours": (float(summary.get("train_time_s", 0.0)) * ctx.cfg.train.num_workers / 3600
-                               if gpu_training(ctx.cfg) else 0.0)},
+                 "num_workers": ctx.cfg.train.num_workers, "device": "GPU" if on_gpu else "CPU",
+                 "gpu_hours": float(summary.get("train_time_s", 0.0)) * ctx.cfg.train.num_workers / 3600
+                 if on_gpu else 0.0},
         metrics=metrics)
 
 

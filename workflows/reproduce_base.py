@@ -19,7 +19,7 @@ if str(REPO) not in sys.path:  # `python workflows/reproduce_base.py` puts workf
 
 from pipeline import storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
-from pipeline.data_ray import ensure_ray  # noqa: E402
+from pipeline.ray_env import ensure_ray  # noqa: E402
 from pipeline.dag import ORDER  # noqa: E402
 from pipeline.stage import NotImplementedStage  # noqa: E402
 from workflows import runner  # noqa: E402

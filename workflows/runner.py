@@ -9,7 +9,6 @@ from. A half-written stage is never taken as done; a stage whose upstream was re
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import logging
 import time
@@ -38,6 +37,7 @@ class StagePlan:
     action: str  # "cached" | "run" | "skip"
     reason: str
     forced: bool = False  # rerun from scratch even if a resumable stage has partial state
+    manifest: Manifest | None = None  # the cached manifest, read once while planning
 
 
 def _digest(obj: Any) -> str:
@@ -127,7 +127,8 @@ def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
         if s.name not in selected and action == "run":
             action = "skip"
         plans.append(StagePlan(s, keys[s.name], out_dir, action, reason,
-                               forced=action == "run" and s.name in forced))
+                               forced=action == "run" and s.name in forced,
+                               manifest=manifest if action == "cached" else None))
         digests[s.name] = manifest_digest(manifest) if (manifest and action == "cached") else None
     _check_inputs(plans, selected)
     return plans
@@ -168,11 +169,9 @@ def _file_list(out_dir: str, checksum: bool) -> list[dict[str, Any]]:
     return files
 
 
-def run_stage(cfg: Config, p: StagePlan, inputs: dict[str, Manifest], tracker) -> Manifest:
-    fn = p.stage.load()
+def run_stage(cfg: Config, p: StagePlan, fn, inputs: dict[str, Manifest], tracker) -> Manifest:
     if p.forced and p.stage.forget:
-        module, func = p.stage.forget.split(":")
-        getattr(importlib.import_module(module), func)(cfg, p.key)
+        p.stage.forget_state(cfg, p.key)
         log.info("stage %s: forced, dropped its resumable state", p.stage.name)
     if not p.stage.resumable or p.forced:
         storage.rmtree(p.out_dir)
@@ -206,19 +205,19 @@ def execute(cfg: Config, plans: list[StagePlan], tracking) -> dict[str, Manifest
             continue
         params = p.stage.key_material(cfg)
         if p.action == "cached":
-            manifests[p.stage.name] = read_manifest(p.out_dir, p.key)
+            manifests[p.stage.name] = p.manifest
             with tracking.stage_run(p.stage.name, p.key, cached=True, params=params) as t:
                 t.log_metrics(manifests[p.stage.name].metrics)
             log.info("stage %s: cached (key %s)", p.stage.name, p.key)
             continue
         try:
-            p.stage.load()
+            fn = p.stage.load()  # before its MLflow run: a missing stage is reported, not recorded
         except NotImplementedStage as e:
             log.error("%s; stopping here (nothing after it runs)", e)
             raise
         inputs = {u: manifests[u] for u in p.stage.upstream}
         with tracking.stage_run(p.stage.name, p.key, cached=False, params=params) as t:
-            m = run_stage(cfg, p, inputs, t)
+            m = run_stage(cfg, p, fn, inputs, t)
             t.log_metrics({**m.metrics, "stage/wall_s": m.extra["wall_s"]})
             t.log_text(json.dumps(m.to_dict(), indent=2, default=str), "manifest.json")
         tracking.parent.log_metrics(m.metrics)
