@@ -88,7 +88,7 @@ class PeakMemory:
 
 def make_corpus(mirror: str, work: Path, scale: int) -> dict[str, list[str] | str]:
     """Extract the mirror once, then write the training pairs repeated ``scale`` times."""
-    from pipeline import download
+    from pipeline.data import download
     from pipeline.config import Config
     from pipeline.stage import StageContext
 
@@ -118,8 +118,8 @@ def plain_encode(prepared: dict, model: str, out_dir: Path) -> tuple[int, float]
     import pyarrow.parquet as pq
     import sentencepiece as spm
 
-    from pipeline.data_shards import ShardWriter, shard_uris
-    from pipeline.encode import BATCH_ROWS, SCHEMA, TEXT_SCHEMA, ids_array
+    from pipeline.data.shards import ShardWriter, shard_uris
+    from pipeline.data.encode import BATCH_ROWS, SCHEMA, TEXT_SCHEMA, ids_array
 
     sp = spm.SentencePieceProcessor(model_file=model)
     t0 = time.perf_counter()
@@ -143,7 +143,10 @@ def child(args: argparse.Namespace) -> dict:
     """One scale, in its own process and its own local Ray."""
     import ray
 
-    from pipeline import download, encode, prepare, vocab
+    from pipeline.data import download
+    from pipeline.data import encode
+    from pipeline.data import prepare
+    from pipeline.data import vocab
     from pipeline.config import Config
     from pipeline.stage import Manifest, StageContext
 

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from model import ModelConfig, Transformer  # noqa: E402
-from pipeline import translate  # noqa: E402
+from pipeline.evaluate import translate
 
 log = logging.getLogger("decode_bench")
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/train_bench.py [--steps 40] [--d-model 64] [--layers 2] [--threads 1]
 
-A. loop:  `pipeline.train_loop.Trainer` with one in-process worker (no Ray), reading the encoded
+A. loop:  `pipeline.train.loop.Trainer` with one in-process worker (no Ray), reading the encoded
           Parquet shards, planning token buckets, collating micro-batches, logging, checkpointing.
 B. bare:  the same micro-batches (same rows, same shapes) collated before timing; the loop only
           runs forward, loss, backward, Adam, lr schedule.
@@ -26,12 +26,12 @@ import numpy as np
 import torch
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
-from pipeline import batching
+from pipeline.train import batching
 from pipeline.config import Config
-from pipeline.train_data import load_corpus
-from pipeline.train_loop import LocalSession, LoopSpec, Trainer
-from pipeline.train_step import accumulate_gradients, optimizer_step, to_device
-from pipeline.train_synthetic import write_reverse_task
+from pipeline.train.corpus import load_corpus
+from pipeline.train.loop import LocalSession, LoopSpec, Trainer
+from pipeline.train.step import accumulate_gradients, optimizer_step, to_device
+from pipeline.train.synthetic import write_reverse_task
 
 
 def build(args, work: Path) -> tuple[dict, Config, ModelConfig]:

@@ -16,17 +16,17 @@ _CLEANING = ("data.max_words", "data.max_length_ratio", "data.dedup",
              "data.max_pairs_per_corpus", "data.num_shards")
 
 STAGES: tuple[Stage, ...] = (
-    Stage("download", "1", _DATA_SOURCE, (), "pipeline.download:run", checksum_files=False),
-    Stage("prepare", "1", _CLEANING, ("download",), "pipeline.prepare:run"),
-    Stage("vocab", "1", ("vocab",), ("prepare",), "pipeline.vocab:run"),
-    Stage("encode", "1", (), ("prepare", "vocab"), "pipeline.encode:run"),
-    Stage("train", "1", ("model", "train"), ("encode", "vocab"), "pipeline.train:run",
-          resumable=True, checksum_files=False, forget="pipeline.train:forget_run"),
-    Stage("average", "1", ("eval.average_last",), ("train",), "pipeline.average:run"),
+    Stage("download", "1", _DATA_SOURCE, (), "pipeline.data.download:run", checksum_files=False),
+    Stage("prepare", "1", _CLEANING, ("download",), "pipeline.data.prepare:run"),
+    Stage("vocab", "1", ("vocab",), ("prepare",), "pipeline.data.vocab:run"),
+    Stage("encode", "1", (), ("prepare", "vocab"), "pipeline.data.encode:run"),
+    Stage("train", "1", ("model", "train"), ("encode", "vocab"), "pipeline.train.stage:run",
+          resumable=True, checksum_files=False, forget="pipeline.train.stage:forget_run"),
+    Stage("average", "1", ("eval.average_last",), ("train",), "pipeline.evaluate.average:run"),
     Stage("translate", "1", ("eval.beam_size", "eval.alpha", "eval.max_len_a", "eval.max_len_b",
                              "eval.splits", "eval.max_sentences"), ("average", "encode", "vocab"),
-          "pipeline.translate:run"),
-    Stage("score", "1", ("eval.splits", "eval.max_sentences"), ("translate", "encode"), "pipeline.score:run"),
+          "pipeline.evaluate.translate:run"),
+    Stage("score", "1", ("eval.splits", "eval.max_sentences"), ("translate", "encode"), "pipeline.evaluate.score:run"),
 )
 
 BY_NAME = {s.name: s for s in STAGES}

@@ -1,7 +1,7 @@
 """Ray Train over two nodes with checkpoints on an object store, surviving the loss of a node.
 
 Two Ray nodes on this machine (a head with `node_a`, a worker with `node_b`, one CPU each; the
-workers are placed STRICT_SPREAD, one per node), the real `train` stage (`pipeline.train.run`) on
+workers are placed STRICT_SPREAD, one per node), the real `train` stage (`pipeline.train.stage.run`) on
 synthetic shards in the S3 bucket. Once Ray Train has registered a checkpoint, the second node is
 killed and a replacement joins: the run goes on from its latest checkpoint (FailureConfig), so no
 more than one checkpoint interval of work is lost.
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import storage
-from pipeline.train_synthetic import write_reverse_task
+from pipeline.train.synthetic import write_reverse_task
 from tests.support.procs import RayHead, stop
 from tests.support.s3 import s3, s3_module  # noqa: F401 (fixtures)
 
@@ -36,7 +36,7 @@ DRIVER = r"""
 import json, sys
 import ray
 from ray.util.state import list_actors
-from pipeline import train
+from pipeline.train import stage as train
 from pipeline.config import load_config
 from pipeline.stage import Manifest, StageContext
 

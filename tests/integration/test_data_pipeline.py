@@ -12,9 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.support.http import serve
-from pipeline import download, encode, prepare, vocab
+from pipeline.data import download, encode
+from pipeline.data import prepare, vocab
 from pipeline.config import Config
-from pipeline.data_fetch import DataError
+from pipeline.data.fetch import DataError
 from pipeline.stage import Manifest, StageContext
 
 pytestmark = pytest.mark.slow

@@ -11,11 +11,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import download, prepare, storage
+from pipeline import storage
+from pipeline.data import download, prepare
 from pipeline.config import Config
-from pipeline.data_shards import ShardWriter, shard_uris
+from pipeline.data.shards import ShardWriter, shard_uris
 from pipeline.stage import StageContext
-from pipeline.vocab import write_sample
+from pipeline.data.vocab import write_sample
 from tests.support.s3 import s3, s3_module  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow

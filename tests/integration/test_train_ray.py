@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import train, train_checkpoint
+from pipeline.train import stage as train
+from pipeline.train import checkpoint as train_checkpoint
 from pipeline.config import Config
 from pipeline.stage import Manifest, StageContext
-from pipeline.train_loop import FAIL_AT_STEP_ENV
-from pipeline.train_synthetic import write_reverse_task
+from pipeline.train.loop import FAIL_AT_STEP_ENV
+from pipeline.train.synthetic import write_reverse_task
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +129,7 @@ DRIVER = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO)
 import ray
-from pipeline import train
+from pipeline.train import stage as train
 from pipeline.config import from_dict
 from pipeline.stage import Manifest, StageContext
 spec = json.load(open(sys.argv[1]))

@@ -1,0 +1,310 @@
+"""``train``: the Transformer on the encoded shards with Ray Train (TorchTrainer, DDP).
+
+Driver side (this module): checks the inputs before any worker starts (ids within the
+vocabulary, a non-empty training set, budgets that hold the longest pair), builds the
+`TorchTrainer`, and turns its `Result` into the stage's outputs (docs/stages.md) and plots.
+Worker side: `pipeline.train.loop` (the loop), `pipeline.train.batching` (token buckets),
+`pipeline.train.checkpoint` (the checkpoint folder), `pipeline.train.corpus` (the loader).
+
+Resume. The Ray Train run is named after the stage's cache key and lives under
+`run.storage_path` (default `<work_dir>/ray_train`). Ray Train V2 keeps a checkpoint-manager
+snapshot in that folder and, when a new `TorchTrainer` starts with the same
+`RunConfig(name, storage_path)`, loads it: `ray.train.get_checkpoint()` in the workers returns the
+latest checkpoint. So a worker failure (`FailureConfig.max_failures`) and a killed-and-restarted
+driver both continue from the latest checkpoint; at most one checkpoint interval is lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from model import ModelConfig
+from pipeline.ray_env import ensure_ray
+from pipeline import storage
+from pipeline.train import batching
+from pipeline.train import checkpoint as train_checkpoint
+from pipeline.config import Config
+from pipeline.stage import StageContext, StageResult
+from pipeline.train.corpus import id_range, load_lengths, shard_files
+from pipeline.train.loop import FAIL_AT_STEP_ENV, LoopSpec, train_worker
+
+log = logging.getLogger(__name__)
+
+
+class TrainInputError(ValueError):
+    """The training inputs or budgets cannot work; raised before any worker starts."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver-side checks
+
+
+def model_config_for(cfg: Config, vocab: dict[str, Any]) -> ModelConfig:
+    """`cfg.model` sizes + the vocabulary's size and special ids (from the vocab stage)."""
+    m = cfg.model
+    return ModelConfig(vocab_size=int(vocab["vocab_size"]), pad_id=int(vocab.get("pad_id", 0)),
+                       bos_id=int(vocab.get("bos_id", 2)), eos_id=int(vocab.get("eos_id", 3)),
+                       d_model=m.d_model, d_ff=m.d_ff, n_heads=m.n_heads, n_encoder_layers=m.n_encoder_layers,
+                       n_decoder_layers=m.n_decoder_layers, dropout=m.dropout, max_positions=m.max_positions)
+
+
+def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str) -> dict[str, Any]:
+    """Fail fast with a clear message; return data statistics for the log and the outputs."""
+    tc = cfg.train
+    if not shard_files(train_dir):
+        raise TrainInputError(f"train: no Parquet shards in the training split {train_dir}")
+    src_len, tgt_len = load_lengths(train_dir)
+    if len(src_len) == 0:
+        raise TrainInputError(f"train: the training split {train_dir} is empty (0 pairs)")
+    keep = batching.keep_mask(src_len, tgt_len, tc.max_len)
+    num_kept = int(keep.sum())
+    if num_kept == 0:
+        raise TrainInputError(f"train: all {len(src_len)} training pairs are longer than "
+                              f"train.max_len={tc.max_len} pieces (or empty): nothing to train on")
+    for split, uri in (("train", train_dir), ("dev", dev_dir)):
+        rng = id_range(uri) if uri else None
+        if rng is not None and (rng[0] < 0 or rng[1] >= mc.vocab_size):
+            raise TrainInputError(f"train: the {split} shards in {uri} hold ids in [{rng[0]}, {rng[1]}] but the "
+                                  f"vocabulary has {mc.vocab_size} ids: were they encoded with another "
+                                  "SentencePiece model?")
+    if tc.max_len + 1 > mc.max_positions:
+        raise TrainInputError(f"train.max_len={tc.max_len} (+1 special token) exceeds "
+                              f"model.max_positions={mc.max_positions}")
+    longest_tgt = int(batching.target_tokens(tgt_len[keep]).max())
+    if tc.tokens_per_step < longest_tgt:
+        raise TrainInputError(f"train.tokens_per_step={tc.tokens_per_step} is smaller than one training pair "
+                              f"({longest_tgt} target tokens with eos): a step must hold at least a sentence")
+    longest_padded = int(batching.padded_len(src_len[keep], tgt_len[keep]).max())
+    if tc.max_tokens_per_batch < longest_padded:
+        raise TrainInputError(f"train.max_tokens_per_batch={tc.max_tokens_per_batch} is smaller than the longest "
+                              f"kept pair ({longest_padded} padded tokens): raise it or lower train.max_len")
+    rows = np.flatnonzero(keep)
+    plan = batching.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
+    accum = [batching.split_step(g, src_len, tgt_len, tc.num_workers, tc.max_tokens_per_batch).accum
+             for g in plan[:50]]
+    stats = {"num_pairs": len(src_len), "num_kept": num_kept, "num_dropped_too_long": len(src_len) - num_kept,
+             "steps_per_epoch": len(plan), "mean_tgt_tokens_per_step":
+             float(np.mean([batching.target_tokens(tgt_len[g]).sum() for g in plan])),
+             "mean_pairs_per_step": float(np.mean([len(g) for g in plan])), "accum_mean": float(np.mean(accum)),
+             "accum_max": int(max(accum))}
+    log.info("train: %d pairs, %d kept, %d dropped as longer than train.max_len=%d pieces", len(src_len),
+             num_kept, stats["num_dropped_too_long"], tc.max_len)
+    log.info("train: %d steps per epoch, %.0f target tokens and %.0f pairs per step; %d worker(s) x "
+             "%.1f micro-batch(es) on average (max %d) under %d padded tokens each", len(plan),
+             stats["mean_tgt_tokens_per_step"], stats["mean_pairs_per_step"], tc.num_workers,
+             stats["accum_mean"], stats["accum_max"], tc.max_tokens_per_batch)
+    if stats["mean_pairs_per_step"] < tc.num_workers:
+        log.warning("train: fewer pairs per step (%.1f) than workers (%d): some workers idle each step",
+                    stats["mean_pairs_per_step"], tc.num_workers)
+    return stats
+
+
+def _fail_hook() -> dict[str, Any]:
+    """Tests only: TRANSFORMER_REPRO_FAIL_AT_STEP="K:/path/marker[:hang]" makes one worker raise
+    (or hang) before step K, once. Read in the driver: Ray workers do not inherit its environment."""
+    value = os.environ.get(FAIL_AT_STEP_ENV, "")
+    if not value:
+        return {}
+    step, _, rest = value.partition(":")
+    marker, _, mode = rest.partition(":")
+    log.warning("train: test hook %s=%s is set", FAIL_AT_STEP_ENV, value)
+    return {"fail_at_step": int(step), "fail_marker": marker, "fail_mode": mode or "raise"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray wiring (the only part of the stage that imports Ray)
+
+
+class RaySession:
+    """The loop's session inside a Ray Train worker."""
+
+    def __init__(self) -> None:
+        import ray.train
+        import ray.train.torch
+
+        ctx = ray.train.get_context()
+        self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
+        self.device = ray.train.torch.get_device()
+
+    @contextlib.contextmanager
+    def latest_checkpoint(self) -> Iterator[str | None]:
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            yield None
+            return
+        with checkpoint.as_directory() as path:
+            yield path
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, dir_name: str | None) -> None:
+        import ray.train
+
+        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=dir_name if checkpoint else None)
+
+
+def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
+    """What every Ray Train worker runs."""
+    pkg = logging.getLogger("pipeline")
+    if not pkg.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        pkg.addHandler(handler)
+    pkg.setLevel(logging.INFO)
+    return train_worker(config, RaySession())
+
+
+def storage_path_for(cfg: Config) -> str:
+    return storage.absolute(cfg.run.storage_path or storage.join(cfg.run.work_dir, "ray_train"))
+
+
+def forget_run(cfg: Config, key: str) -> None:
+    """Delete the Ray Train run of cache key `key` (checkpoints and snapshot): the next `run`
+    starts from step 0. For `--force train`; without it a rerun resumes (and, if finished, ends
+    at once)."""
+    storage.rmtree(storage.join(storage_path_for(cfg), key))
+
+
+def gpu_training(cfg: Config) -> bool:
+    """Train on GPUs when asked to and the (already connected) Ray cluster has one."""
+    import ray
+
+    return bool(cfg.train.use_gpu and ray.cluster_resources().get("GPU", 0) >= 1)
+
+
+def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
+    """Run (or resume) the Ray Train run `run_name`; the `Result`."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    ensure_ray(cfg)
+    tc = cfg.train
+    use_gpu = gpu_training(cfg)
+    if tc.use_gpu and not use_gpu:
+        log.warning("train.use_gpu = true but the Ray cluster has no GPU: training on CPU (fp32)")
+    if not use_gpu and tc.precision != "fp32":
+        log.info("train: CPU training runs in fp32 (train.precision=%s applies on GPU only)", tc.precision)
+    trainer = TorchTrainer(
+        train_fn_per_worker,
+        train_loop_config=spec.to_dict(),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=use_gpu,
+                                     placement_strategy=tc.placement_strategy),
+        run_config=RunConfig(
+            name=run_name, storage_path=storage_path,
+            failure_config=FailureConfig(max_failures=tc.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints)),
+    )
+    log.info("train: Ray Train run %s under %s, %d %s worker(s)", run_name, storage_path, tc.num_workers,
+             "GPU" if use_gpu else "CPU")
+    return trainer.fit()
+
+
+def checkpoint_uris(result: Any, storage_path: str) -> list[str]:
+    """The kept checkpoints of a finished run, oldest first, as URIs (complete ones only)."""
+    pairs = sorted(result.best_checkpoints or [], key=lambda cm: cm[1].get("step", 0))
+    scheme = storage_path.split("://", 1)[0] + "://" if storage.is_remote(storage_path) else ""
+    uris = [f"{scheme}{ckpt.path}" for ckpt, _ in pairs]
+    return [u for u in uris if all(storage.exists(storage.join(u, f)) for f in train_checkpoint.FILES)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+
+
+def run(ctx: StageContext) -> StageResult:
+    cfg = ctx.cfg
+    encode = ctx.inputs["encode"].outputs
+    mc = model_config_for(cfg, ctx.inputs["vocab"].outputs)
+    train_dir = encode["splits"]["train"]["dir"]
+    dev_dir = encode["splits"].get("dev", {}).get("dir", "")
+    stats = preflight(cfg, mc, train_dir, dev_dir)
+    spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=storage.absolute(train_dir),
+                    dev_dir=storage.absolute(dev_dir) if dev_dir else "",
+                    tracking_uri=getattr(ctx.tracker, "tracking_uri", None),
+                    run_id=getattr(ctx.tracker, "run_id", None), **_fail_hook())
+    storage_path = storage_path_for(cfg)
+    t0 = time.time()
+    result = fit(cfg, spec, ctx.key, storage_path)
+    summary = result.return_value or {}
+    checkpoints = checkpoint_uris(result, storage_path)
+    if not checkpoints:
+        raise RuntimeError(f"train: the run {ctx.key} under {storage_path} finished without a checkpoint")
+    final_step = int(summary.get("final_step") or train_checkpoint_step(checkpoints[-1]))
+    history = {"train": summary.get("history_train", []), "val": summary.get("history_val", [])}
+    storage.write_json(storage.join(ctx.out_dir, "history.json"), history)
+    _log_plots(ctx, history)
+    # A run resumed at its last step trains nothing: its metrics are the last checkpoint's.
+    # Renamed (val/loss -> val/final_loss): the runner logs these at step 0, which must not
+    # add a point to the workers' val/loss curve.
+    last = summary.get("last_metrics") or dict(result.metrics or {})
+    metrics = {"train/final_step": float(final_step),
+               "train/num_dropped_too_long": float(stats["num_dropped_too_long"]),
+               "train/wall_s": float(summary.get("train_time_s", 0.0)),
+               "train/driver_wall_s": time.time() - t0,
+               **{f"val/final_{k[4:]}": float(v) for k, v in last.items() if k.startswith("val/")}}
+    tokens = summary.get("tokens_seen", {"src": 0, "tgt": 0})
+    on_gpu = gpu_training(ctx.cfg)
+    log.info("train: done at step %d, %d checkpoint(s) kept, %d target tokens seen", final_step,
+             len(checkpoints), tokens["tgt"])
+    return StageResult(
+        outputs={"checkpoints": checkpoints, "final_step": final_step, "run_name": ctx.key,
+                 "storage_path": storage_path, "tokens_seen": tokens,
+                 "wall_s": float(summary.get("train_time_s", 0.0)), "model_config": mc.to_dict(),
+                 "data": stats, "precision": summary.get("precision"),
+                 "resumed_from_step": int(summary.get("start_step", 0)),
+                 # For the score report: the compute this result cost (loop time x workers).
+                 "num_workers": ctx.cfg.train.num_workers, "device": "GPU" if on_gpu else "CPU",
+                 "gpu_hours": float(summary.get("train_time_s", 0.0)) * ctx.cfg.train.num_workers / 3600
+                 if on_gpu else 0.0},
+        metrics=metrics)
+
+
+def train_checkpoint_step(uri: str) -> int:
+    return int(json.loads(storage.read_text(storage.join(uri, train_checkpoint.META_FILE)))["step"])
+
+
+def _log_plots(ctx: StageContext, history: dict[str, list[list[float]]]) -> None:
+    """Loss curves (train and val) and the lr schedule as PNGs: in the out dir and in MLflow."""
+    if not history["train"]:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = np.asarray(history["train"], dtype=float)
+    val = np.asarray(history["val"], dtype=float).reshape(-1, 3)
+    with tempfile.TemporaryDirectory() as tmp:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(train[:, 0], train[:, 1], label="train loss (label-smoothed)")
+        ax.plot(train[:, 0], train[:, 2], label="train nll", alpha=0.6)
+        if len(val):
+            ax.plot(val[:, 0], val[:, 1], "o-", label="val loss (label-smoothed)")
+            ax.plot(val[:, 0], val[:, 2], "s--", label="val nll")
+        ax.set_xlabel("step")
+        ax.set_ylabel("nats per target token")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(Path(tmp) / "loss.png", dpi=100)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(7, 3))
+        ax.plot(train[:, 0], train[:, 3])
+        ax.set_xlabel("step")
+        ax.set_ylabel("learning rate")
+        fig.tight_layout()
+        fig.savefig(Path(tmp) / "lr.png", dpi=100)
+        plt.close(fig)
+        for name in ("loss.png", "lr.png"):
+            storage.upload(Path(tmp) / name, storage.join(ctx.out_dir, "plots", name))
+            ctx.tracker.log_artifact(str(Path(tmp) / name), "plots")

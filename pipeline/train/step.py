@@ -1,0 +1,114 @@
+"""One optimizer step of the paper's recipe (§5.3, §5.4): pure torch, no Ray, no data loading.
+
+The update is the gradient of
+
+    loss_step = (sum over the step's target tokens, all micro-batches, all workers, of the
+                 label-smoothed loss) / N
+
+whatever the split into micro-batches and workers: each worker back-propagates
+`loss_sum(micro) * world_size / N` (DDP averages gradients over workers, i.e. divides by
+world_size) and skips DDP's all-reduce on all but its last micro-batch (`no_sync`). N, the
+step's target-token count, is known to every worker from the global batch plan
+(`pipeline.train.batching`), so no all-reduce of the token count is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import label_smoothed_nll
+from pipeline.train import batching
+
+log = logging.getLogger(__name__)
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    """Dropout RNG seed of (worker, step): resuming at any step replays the same masks."""
+    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0] % (2**63))
+
+
+@dataclass
+class MicroBatch:
+    src: torch.Tensor  # (B, S)
+    tgt_in: torch.Tensor  # (B, T)
+    tgt_out: torch.Tensor  # (B, T)
+    weight: float = 1.0  # 0 for a stand-in when a worker has no rows for this micro-step
+
+
+def to_device(batch: batching.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:
+    def t(x: np.ndarray) -> torch.Tensor:
+        x = torch.from_numpy(x)
+        return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
+
+    return MicroBatch(t(batch.src), t(batch.tgt_in), t(batch.tgt_out), weight)
+
+
+def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch], step_tgt_tokens: int,
+                         world_size: int, epsilon: float, pad_id: int,
+                         autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+                         scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Back-propagate this worker's share of the step; return its (loss_sum, nll_sum) (detached).
+
+    After the last micro-batch (and DDP's all-reduce) every worker holds
+    d/dθ [ sum of token losses over the whole step / step_tgt_tokens ].
+    """
+    scale = world_size / step_tgt_tokens
+    loss_total = torch.zeros((), device=micro_batches[0].src.device)
+    nll_total = torch.zeros((), device=micro_batches[0].src.device)
+    for i, mb in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
+        with sync:
+            target = mb.tgt_out[mb.tgt_out != pad_id]  # (M,): the projection skips pad positions
+            with autocast():
+                logits = model(mb.src, mb.tgt_in, nonpad_only=True)  # (M, V)
+            loss, nll = label_smoothed_nll(logits, target, epsilon=epsilon, ignore_index=pad_id)
+            if mb.weight != 1.0:
+                loss, nll = loss * mb.weight, nll * mb.weight
+            scaled = loss * scale
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        loss_total += loss.detach()
+        nll_total += nll.detach()
+    return loss_total, nll_total
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                   scaler: torch.amp.GradScaler | None, clip_norm: float, want_norm: bool) -> float | None:
+    """Clip (optional), step, advance the lr schedule, zero the grads; the grad norm if asked."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    norm = None
+    if clip_norm > 0 or want_norm:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads)
+        if clip_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_norm, total)
+        norm = float(total) if want_norm else None
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+
+def resolve_precision(requested: str, device: torch.device) -> str:
+    """bf16/fp16 autocast on GPU as asked; fp32 on CPU whatever the setting."""
+    if device.type != "cuda":
+        if requested != "fp32":
+            log.info("train.precision=%s ignored on CPU: training in fp32", requested)
+        return "fp32"
+    if requested == "bf16" and not torch.cuda.is_bf16_supported():
+        log.warning("bf16 is not supported on this GPU: using fp16 with a GradScaler")
+        return "fp16"
+    return requested

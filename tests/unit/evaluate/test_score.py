@@ -1,0 +1,91 @@
+"""The score stage on small files: metrics, scores.json, report.md, line-count checks."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.evaluate import bleu, score
+from pipeline.config import Config
+from pipeline.stage import Manifest, StageContext
+
+REFS = ["Das Open-Source-Projekt läuft sehr gut.", "Die E-Mail ist angekommen.", "Guten Morgen!"]
+HYPS = ["Das Open-Source-Projekt läuft gut.", "Die E-Mail kam an.", "Guten Morgen!"]
+
+
+class RecordingTracker:
+    run_id = tracking_uri = None
+
+    def __init__(self):
+        self.texts, self.tags = {}, {}
+
+    def log_text(self, text, artifact_file):
+        self.texts[artifact_file] = text
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_params(self, params):
+        pass
+
+    def log_artifact(self, local_path, artifact_path=None):
+        pass
+
+
+def _ctx(tmp_path, splits, hyps_by_split):
+    cfg = Config()
+    cfg.eval.splits = splits
+    enc_splits, tr_splits = {}, {}
+    for split in splits:
+        d = tmp_path / "encode" / split
+        d.mkdir(parents=True)
+        order = [2, 0, 1]  # stored out of order: score must restore idx order
+        pq.write_table(pa.table({"idx": pa.array(order, pa.int64()), "tgt": [REFS[i] for i in order]}),
+                       d / "part-0.parquet")
+        enc_splits[split] = {"dir": str(d), "num_rows": 3}
+        hyp_file = tmp_path / f"hyps.{split}.txt"
+        hyp_file.write_text("".join(h + "\n" for h in hyps_by_split), encoding="utf-8")
+        tr_splits[split] = {"hyps": str(hyp_file), "num_sentences": 3, "num_truncated": 0, "num_empty": 0}
+    translate_out = {"splits": tr_splits, "train_final_step": 1234, "averaged": ["a", "b"],
+                     "averaged_steps": [1000, 1234], "model_config": {"d_model": 512, "d_ff": 2048},
+                     "decode": {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 50}}
+    out = tmp_path / "score"
+    out.mkdir()
+    return StageContext(name="score", key="s", cfg=cfg, out_dir=str(out), tracker=RecordingTracker(), inputs={
+        "translate": Manifest(stage="translate", key="t", dir="", outputs=translate_out),
+        "encode": Manifest(stage="encode", key="e", dir="", outputs={"splits": enc_splits})})
+
+
+def test_score_stage_writes_metrics_scores_and_report(tmp_path):
+    ctx = _ctx(tmp_path, ["test", "dev"], HYPS)
+    result = score.run(ctx)
+    assert set(result.metrics) == {f"{s}/{m}" for s in ("test", "dev") for m in ("bleu_sacre", "bleu_tok_cs", "chrf")}
+    assert result.metrics["test/bleu_sacre"] == pytest.approx(bleu.sacre_bleu(HYPS, REFS).score)
+    assert result.metrics["test/bleu_tok_cs"] == pytest.approx(bleu.tokenized_bleu_cs(HYPS, REFS).score)
+    assert result.metrics["test/chrf"] == pytest.approx(bleu.chrf(HYPS, REFS).score)
+    test = result.outputs["scores"]["test"]
+    assert set(test) == {"bleu_sacre", "sacrebleu_signature", "bleu_tok_cs", "chrf", "chrf_signature"}
+    assert test["sacrebleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+
+    saved = json.loads((tmp_path / "score" / "scores.json").read_text())
+    assert saved["test"]["bleu_tok_cs"] == pytest.approx(test["bleu_tok_cs"])
+    report = (tmp_path / "score" / "report.md").read_text()
+    assert "27.3" in report and "28.4" in report and test["sacrebleu_signature"] in report
+    assert "1234 steps" in report and "beam 4" in report
+    assert ctx.tracker.texts["report.md"] == report and "scores.json" in ctx.tracker.texts
+
+
+def test_score_stage_refuses_misaligned_hypotheses(tmp_path):
+    with pytest.raises(ValueError, match="2 hypotheses for 3 references"):
+        score.run(_ctx(tmp_path, ["test"], HYPS[:2]))
+
+
+def test_empty_hypothesis_lines_are_kept(tmp_path):
+    result = score.run(_ctx(tmp_path, ["test"], ["", HYPS[1], HYPS[2]]))
+    assert 0 < result.metrics["test/bleu_sacre"] < 100
