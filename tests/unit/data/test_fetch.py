@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.http import serve
 from pipeline.data import fetch as data_fetch
-from pipeline.data import download
+from pipeline.data import download, sources
 from pipeline.config import Config
 from pipeline.data.fetch import ChecksumError, DataError, extract_members, fetch, http_download
 from pipeline.stage import StageContext
@@ -140,7 +140,8 @@ def test_download_stage_rejects_a_mirror_with_a_bad_checksum(mirror_dir, tmp_pat
     cfg = Config()
     cfg.data.mirror = str(mirror)
     cfg.run.work_dir = str(tmp_path)
-    msg = r"checksum mismatch for dev\.tgz \(.*wmt14/dev\.tgz\): expected sha256 60606b2d.*, got "
+    expected = sources.parse_sha256sums((mirror_dir / "SHA256SUMS").read_text())["wmt14/dev.tgz"]
+    msg = rf"checksum mismatch for dev\.tgz \(.*wmt14/dev\.tgz\): expected sha256 {expected}, got "
     with pytest.raises(ChecksumError, match=msg):
         download.run(_ctx(cfg, tmp_path / "out"))
 
