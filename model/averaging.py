@@ -20,8 +20,17 @@ def average_checkpoints(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str,
         if set(sd) != set(first):
             diff = sorted(set(sd) ^ set(first))
             raise ValueError(f"average_checkpoints: state dict {i} has different keys: {', '.join(diff)}")
-    averaged = {}
+    averaged: dict[str, torch.Tensor] = {}
+    shared: dict[tuple[int, int, tuple[int, ...]], str] = {}  # keys of one tied tensor stay tied
     for key, ref in first.items():
+        if isinstance(ref, torch.Tensor):
+            ident = _ident(ref)
+            tied_to = shared.get(ident)
+            if tied_to is not None and all(isinstance(sd[key], torch.Tensor) and _ident(sd[key]) == _ident(sd[tied_to])
+                                           for sd in state_dicts):
+                averaged[key] = averaged[tied_to]
+                continue
+            shared.setdefault(ident, key)
         tensors = [sd[key] for sd in state_dicts]
         for t in tensors:
             if not isinstance(t, torch.Tensor):
@@ -40,3 +49,8 @@ def average_checkpoints(state_dicts: list[dict[str, torch.Tensor]]) -> dict[str,
                 raise ValueError(f"average_checkpoints: integer tensor {key} differs between inputs")
             averaged[key] = ref.clone()
     return averaged
+
+
+def _ident(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """Tensors with equal identities are one tensor under two keys (tied weights)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))

@@ -56,9 +56,11 @@ class Packing:
     LayerNorm, dropout) then runs on (M, d) rows only; attention scatters into (B, T, .) and
     gathers back. Outputs at pad positions are never computed."""
 
-    def __init__(self, keep: torch.Tensor):  # (B, T) bool, True = real
+    def __init__(self, keep: torch.Tensor, index: torch.Tensor | None = None):  # (B, T) bool, True = real
         self.B, self.T = keep.shape
-        self.index = keep.reshape(-1).nonzero()[:, 0]  # (M,)
+        # `nonzero` waits for the device (its size is data-dependent): training passes the index
+        # computed on the host with the batch (`index`, the same positions), so a step never syncs.
+        self.index = keep.reshape(-1).nonzero()[:, 0] if index is None else index  # (M,)
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """(M, c) -> (B, T, c), zeros at pad positions."""
@@ -352,15 +354,17 @@ class Transformer(nn.Module):
         return packing.unpack(memory), src_pad_mask
 
     def decode(self, tgt_in_ids: torch.Tensor, memory: torch.Tensor, src_pad_mask: torch.Tensor,
-               keep: torch.Tensor | None = None, memory_packing: Packing | None = None) -> torch.Tensor:
+               keep: torch.Tensor | None = None, memory_packing: Packing | None = None,
+               keep_index: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher-forced decoder: tgt_in_ids (B, T) -> logits (B, T, V), or (M, V) for the M
         positions where `keep` (B, T) is True. Self-attention uses the causal mask only: with
         right padding every pad key sits after every real query, so it is never attended to
         from a position whose output is used. `keep` must be True on a prefix of each row (right
         padding, as `tgt_in_ids != pad_id`): the decoder then runs on those positions only.
-        With `memory_packing`, memory is the (Ms, d) real source positions (see `Packing`)."""
+        With `memory_packing`, memory is the (Ms, d) real source positions (see `Packing`);
+        `keep_index`, if given, is `keep`'s flat True positions (computed on the host)."""
         cross_mask = key_padding_to_attn_mask(src_pad_mask)  # (B, 1, 1, S)
-        packing = None if keep is None else Packing(keep)
+        packing = None if keep is None else Packing(keep, keep_index)
         x = self._embed(self.tgt_embed, tgt_in_ids)  # (B, T, d)
         if packing is not None:
             x = packing.pack(x)  # (M, d)
@@ -369,17 +373,19 @@ class Transformer(nn.Module):
                       packing=packing)
         return self.output_proj(x)  # (B, T, V) or (M, V)
 
-    def _encode_packed(self, src_ids: torch.Tensor) -> tuple[torch.Tensor, Packing, torch.Tensor]:
+    def _encode_packed(self, src_ids: torch.Tensor, src_index: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, Packing, torch.Tensor]:
         """`encode` at the real source positions only: memory (Ms, d), its Packing, src_pad_mask."""
         src_pad_mask = src_ids.eq(self.cfg.pad_id)  # (B, S)
         attn_mask = key_padding_to_attn_mask(src_pad_mask)  # (B, 1, 1, S)
-        packing = Packing(~src_pad_mask)
+        packing = Packing(~src_pad_mask, src_index)
         x = packing.pack(self._embed(self.src_embed, src_ids))  # (Ms, d)
         for layer in self.encoder_layers:
             x = layer(x, attn_mask, packing)
         return x, packing, src_pad_mask
 
-    def forward(self, src_ids: torch.Tensor, tgt_in_ids: torch.Tensor, nonpad_only: bool = False) -> torch.Tensor:
+    def forward(self, src_ids: torch.Tensor, tgt_in_ids: torch.Tensor, nonpad_only: bool = False,
+                src_index: torch.Tensor | None = None, tgt_index: torch.Tensor | None = None) -> torch.Tensor:
         """src_ids (B, S) = pieces + [eos]; tgt_in_ids (B, T) = [bos] + pieces -> logits (B, T, V).
 
         nonpad_only=True returns logits (M, V) only at the M non-pad decoder positions, row-major:
@@ -387,10 +393,13 @@ class Transformer(nn.Module):
         decoder's work on padding, the vocabulary projection and the loss included (the largest
         matmul of a training step). It is a forward argument, not a separate method, so
         DDP-wrapped calls keep working. The encoder always skips padding: its outputs there are
-        never attended to."""
-        memory, memory_packing, src_pad_mask = self._encode_packed(src_ids)
+        never attended to. `src_index`/`tgt_index` (optional) are the flat non-pad positions of
+        src_ids / tgt_in_ids, computed on the host (`pipeline.train.batching.collate`), so the
+        step needs no device-to-host sync to find them."""
+        memory, memory_packing, src_pad_mask = self._encode_packed(src_ids, src_index)
         keep = tgt_in_ids.ne(self.cfg.pad_id) if nonpad_only else None
-        return self.decode(tgt_in_ids, memory, src_pad_mask, keep=keep, memory_packing=memory_packing)
+        return self.decode(tgt_in_ids, memory, src_pad_mask, keep=keep, memory_packing=memory_packing,
+                           keep_index=tgt_index if nonpad_only else None)
 
     def init_decoder_state(self, memory: torch.Tensor, src_pad_mask: torch.Tensor, beam_size: int = 1,
                            max_len: int | None = None) -> DecoderState:

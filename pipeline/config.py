@@ -131,6 +131,14 @@ class TrainConfig:
     # Ray placement of the workers: "PACK" (fill a node first: NVLink/NCCL within one 8-GPU node),
     # "SPREAD", or "STRICT_SPREAD" (one worker per node).
     placement_strategy: str = op("PACK")
+    # CPUs Ray reserves for each worker, and its torch threads. 0 = auto: on CPU, the cluster's
+    # CPUs shared out over the workers (local mode: the whole machine); on GPU, 1.
+    cpus_per_worker: int = op(0)
+    corpus_cache_dir: str = op("")  # node-local folder for the shared training-split copy; "" = <tmp>
+    prefetch: bool = op(True)  # prepare the next step's micro-batches in a background thread
+    compile: bool = op(False)  # torch.compile(dynamic=True) the model (GPU; works on CPU with a C++ compiler)
+    grad_compression: str = op("none")  # "bf16": DDP all-reduces gradients in bf16 (multi-node)
+    checkpoint_upload: str = op("async")  # "async": upload in the background (Ray Train ASYNC); "sync"
 
     def validate(self) -> None:
         _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
@@ -149,6 +157,9 @@ class TrainConfig:
         _check(self.max_failures >= 0, "train.max_failures", "must be >= 0")
         _check(self.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
                "train.placement_strategy", "must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
+        _check(self.cpus_per_worker >= 0, "train.cpus_per_worker", "must be >= 0 (0 = auto)")
+        _check(self.grad_compression in ("none", "bf16"), "train.grad_compression", "must be none or bf16")
+        _check(self.checkpoint_upload in ("async", "sync"), "train.checkpoint_upload", "must be async or sync")
 
 
 @dataclass
@@ -163,6 +174,9 @@ class EvalConfig:
     batch_tokens: int = op(4000)  # source tokens per decoding batch
     num_workers: int = op(1)  # Ray Data actors for translate (one per GPU)
     use_gpu: bool = op(True)
+    # torch threads per CPU actor; 0 = auto: the node's CPUs shared out over eval.num_workers
+    # (Ray still reserves run.data_num_cpus per actor, so the read tasks keep a CPU).
+    threads_per_worker: int = op(0)
     splits: list[str] = field(default_factory=lambda: ["test"])  # "test" and/or "dev"
     # 0 = every sentence. Otherwise decode and score only the first N sentences of each split:
     # for smoke tests; the report says so, and such a score is not comparable with the paper's.

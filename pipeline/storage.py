@@ -206,6 +206,12 @@ def local_copy(uri: str, cache_dir: str | Path | None = None) -> Path:
     return dest
 
 
+def fingerprint(uri: str) -> str:
+    """What is at ``uri`` now (paths, sizes, mtimes of every file below it): a cache key part."""
+    fs, path = resolve(uri)
+    return _fingerprint(fs, fs.get_file_info(path))
+
+
 def _fingerprint(fs: pafs.FileSystem, info: pafs.FileInfo) -> str:
     infos = [info]
     if info.type == pafs.FileType.Directory:

@@ -161,6 +161,10 @@ class Batch:
     tgt_out: np.ndarray  # (B, T) pieces + [eos], padded
     num_src_tokens: int  # non-pad source positions
     num_tgt_tokens: int  # non-pad target positions (the loss's denominator counts these)
+    # Computed here on the host so the device never has to find them (a sync per lookup):
+    src_index: np.ndarray | None = None  # (num_src_tokens,) flat non-pad positions of src, row-major
+    tgt_index: np.ndarray | None = None  # (num_tgt_tokens,) same for tgt_in and tgt_out (same layout)
+    target: np.ndarray | None = None  # (num_tgt_tokens,) = tgt_out[tgt_out != pad], row-major
 
 
 def _pad(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray, pad_id: int, head: int | None,
@@ -189,6 +193,15 @@ def collate(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, t
     src = _pad(src_values, src_offsets, rows, pad_id, None, eos_id)
     tgt_in = _pad(tgt_values, tgt_offsets, rows, pad_id, bos_id, None)
     tgt_out = _pad(tgt_values, tgt_offsets, rows, pad_id, None, eos_id)
-    n_src = int((src_offsets[rows + 1] - src_offsets[rows]).sum()) + len(rows)
-    n_tgt = int((tgt_offsets[rows + 1] - tgt_offsets[rows]).sum()) + len(rows)
-    return Batch(src, tgt_in, tgt_out, n_src, n_tgt)
+    src_index = _prefix_positions(src_offsets[rows + 1] - src_offsets[rows] + 1, src.shape[1])
+    tgt_index = _prefix_positions(tgt_offsets[rows + 1] - tgt_offsets[rows] + 1, tgt_in.shape[1])
+    target = tgt_out.reshape(-1)[tgt_index]
+    return Batch(src, tgt_in, tgt_out, len(src_index), len(tgt_index), src_index, tgt_index, target)
+
+
+def _prefix_positions(lens: np.ndarray, width: int) -> np.ndarray:
+    """Flat positions r * width + c, c < lens[r], of rows whose first lens[r] columns are real."""
+    starts = np.arange(len(lens), dtype=np.int64) * width
+    total = int(lens.sum())
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    return np.repeat(starts, lens) + within

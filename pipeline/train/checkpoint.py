@@ -1,6 +1,7 @@
 """The checkpoint folder of the `train` stage (docs/stages.md), written and read by the loop.
 
-    model.pt        the model's state_dict, tensors on CPU (`average` and `translate` read it)
+    model.pt        the model's state_dict, tensors on CPU (`average` and `translate` read it);
+                    tied tensors (the shared embedding) are stored once
     train_state.pt  optimizer, scheduler, grad scaler, step, data position (epoch, step index in
                     the epoch), token counters, RNG states, metric history: tensors and plain
                     types only, so that `torch.load(weights_only=True)` reads it. The RNG
@@ -52,7 +53,18 @@ class Progress:
 
 
 def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    """The state_dict on CPU, each tensor copied once: keys that share a tensor (the three-way
+    tied embedding) still share one copy, so `torch.save` writes it once (it stores storages,
+    not keys) and a loaded dict keeps the sharing. A naive per-key copy tripled the embedding
+    (base: 385 MiB instead of 241 MiB)."""
+    copies: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+    out = {}
+    for k, v in model.state_dict().items():
+        ident = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if ident not in copies:
+            copies[ident] = v.detach().to("cpu", copy=True)
+        out[k] = copies[ident]
+    return out
 
 
 def rng_state() -> dict[str, Any]:

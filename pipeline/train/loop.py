@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ContextManager, Iterator, Protocol
@@ -33,9 +34,9 @@ from pipeline.train import batching
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.config import from_dict as config_from_dict
 from pipeline.train.checkpoint import Progress
-from pipeline.train.corpus import Corpus, load_corpus
-from pipeline.train.step import (accumulate_gradients, optimizer_step, resolve_precision, step_seed,
-                                 to_device)
+from pipeline.train.corpus import Corpus, load_corpus, load_shared_corpus
+from pipeline.train.step import (MicroBatch, accumulate_gradients, optimizer_step, pin, resolve_precision,
+                                 step_seed, to_device, upload)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class LoopSpec:
     run_id: str | None = None  # the stage's MLflow run; None = log nothing
     fail_at_step: int = 0  # tests only: one worker fails before this step (once: fail_marker)
     fail_marker: str = ""
-    fail_mode: str = "raise"  # or "hang"
+    fail_mode: str = "raise"  # or "hang", or "upload" (the worker dies during a checkpoint upload)
+    num_threads: int = 0  # torch threads of this worker (the CPUs Ray reserved for it); 0 = leave as is
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -68,7 +70,8 @@ class Session(Protocol):
     device: torch.device
 
     def latest_checkpoint(self) -> ContextManager[str | None]: ...
-    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, dir_name: str | None) -> None: ...
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, dir_name: str | None,
+               upload_async: bool = False) -> None: ...
 
 
 class LocalSession:
@@ -89,7 +92,8 @@ class LocalSession:
         found = self.checkpoints()
         yield str(found[-1]) if found else None
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, dir_name: str | None) -> None:
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, dir_name: str | None,
+               upload_async: bool = False) -> None:
         self.reports.append(dict(metrics))
         if checkpoint_dir is not None and self.rank == 0:
             shutil.copytree(checkpoint_dir, self.root / (dir_name or f"checkpoint_{len(self.reports)}"))
@@ -119,6 +123,8 @@ class Trainer:
         self.mcfg = ModelConfig.from_dict(spec.model_config)
         self.device = session.device
         self.rank, self.world = session.rank, session.world_size
+        if spec.num_threads > 0:
+            torch.set_num_threads(spec.num_threads)  # Ray's OMP_NUM_THREADS may say otherwise
         if self.device.type == "cpu":
             torch.set_flush_denormal(True)  # denormals slow CPU matmuls many-fold late in training
         else:
@@ -127,10 +133,13 @@ class Trainer:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None
                          else contextlib.nullcontext)
-        self.train_data = load_corpus(spec.train_dir)
+        t0 = time.perf_counter()
+        self.train_data = load_shared_corpus(spec.train_dir, self.tc.corpus_cache_dir or None)
         keep = batching.keep_mask(self.train_data.src_len, self.train_data.tgt_len, self.tc.max_len)
-        self.rows = np.flatnonzero(keep)
+        self.rows = np.flatnonzero(keep).astype(np.int32 if len(keep) < 2**31 else np.int64)
         self.num_dropped = int(len(keep) - len(self.rows))
+        self.timing = {"load_s": time.perf_counter() - t0, "plan_s": 0.0, "steps": 0, "loop_s": 0.0,
+                       "model_s": 0.0, "checkpoint_s": []}
         self.dev_data: Corpus | None = load_corpus(spec.dev_dir) if spec.dev_dir else None
         torch.manual_seed(self.tc.seed)  # identical initial weights on every worker
         self.model = Transformer(self.mcfg).to(self.device)
@@ -138,6 +147,10 @@ class Trainer:
                                         eps=self.tc.adam_eps)
         self.scheduler = make_scheduler(self.optimizer, self.mcfg.d_model, self.tc.warmup_steps, self.tc.lr_scale)
         self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        self.forward_model: torch.nn.Module = self.model  # what steps call (compiled if asked)
+        if self.tc.compile:
+            # dynamic=True: batch shapes change every step (token buckets); one graph serves them.
+            self.forward_model = torch.compile(self.model, dynamic=True)
         self.progress = Progress()
         self.tracker = _make_tracker(spec.tracking_uri, spec.run_id) if self.rank == 0 else None
         self.last_metrics: dict[str, float] = {}
@@ -158,10 +171,16 @@ class Trainer:
 
     def _wrapped(self) -> torch.nn.Module:
         if self.world == 1:
-            return self.model
+            return self.forward_model
         ids = [self.device.index] if self.device.type == "cuda" else None
         # No buffer to sync (the sinusoid table is constant; LayerNorm keeps no statistics).
-        return DDP(self.model, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
+        ddp = DDP(self.forward_model, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
+        if self.tc.grad_compression == "bf16":
+            # Halves all-reduce bytes between nodes; gradients are averaged in bf16 (lossy).
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        return ddp
 
     # -- loop ----------------------------------------------------------------------------------
 
@@ -177,32 +196,46 @@ class Trainer:
                      self.precision, len(self.rows), self.num_dropped, tc.max_len, len(plan), p.epoch)
         window, t_attempt, last_ckpt_t = _Window(), time.perf_counter(), time.monotonic()
         time_base = p.train_time_s
-        while p.step < tc.max_steps:
-            if p.step_in_epoch >= len(plan):
-                p.epoch, p.step_in_epoch = p.epoch + 1, 0
-                plan = self._plan(p.epoch)
-                continue
-            self._maybe_fail(p.step + 1)
-            self._train_step(model, plan[p.step_in_epoch], window)
-            p.step += 1
-            p.step_in_epoch += 1
-            p.train_time_s = time_base + time.perf_counter() - t_attempt
-            if p.step % tc.log_interval_steps == 0 or p.step == tc.max_steps:
-                self._log(window)
-                window = _Window()
-            if self.dev_data is not None and (p.step % tc.eval_interval_steps == 0 or p.step == tc.max_steps):
-                self._evaluate(model)
-            if self._checkpoint_due(last_ckpt_t):
-                self._checkpoint()
-                last_ckpt_t = time.monotonic()
+        feeder = _Feeder(self._host_batches, prefetch=tc.prefetch)
+        try:
+            while p.step < tc.max_steps:
+                if p.step_in_epoch >= len(plan):
+                    p.epoch, p.step_in_epoch = p.epoch + 1, 0
+                    plan = self._plan(p.epoch)
+                    continue
+                self._maybe_fail(p.step + 1)
+                t_step = time.perf_counter()
+                group = plan[p.step_in_epoch]
+                nxt = plan[p.step_in_epoch + 1] if p.step_in_epoch + 1 < len(plan) else None
+                self._train_step(model, group, feeder.take(group, nxt), window)
+                p.step += 1
+                p.step_in_epoch += 1
+                p.train_time_s = time_base + time.perf_counter() - t_attempt
+                log_step = p.step % tc.log_interval_steps == 0 or p.step == tc.max_steps
+                if log_step:
+                    self._log(window)
+                    window = _Window()
+                if self.dev_data is not None and (p.step % tc.eval_interval_steps == 0 or p.step == tc.max_steps):
+                    self._evaluate(model)
+                if self._checkpoint_due(last_ckpt_t, log_step):
+                    self._checkpoint()
+                    last_ckpt_t = time.monotonic()
+                self.timing["steps"] += 1
+                self.timing["loop_s"] += time.perf_counter() - t_step
+        finally:
+            feeder.close()
         return self.summary()
 
     def _plan(self, epoch: int) -> list[np.ndarray]:
-        d = self.train_data
-        return batching.plan_epoch(self.rows, d.src_len, d.tgt_len, self.tc.tokens_per_step, self.tc.seed, epoch)
+        d, t0 = self.train_data, time.perf_counter()
+        plan = batching.plan_epoch(self.rows, d.src_len, d.tgt_len, self.tc.tokens_per_step, self.tc.seed, epoch)
+        self.timing["plan_s"] += time.perf_counter() - t0
+        return plan
 
-    def _train_step(self, model: torch.nn.Module, group: np.ndarray, window: _Window) -> None:
-        d, p = self.train_data, self.progress
+    def _host_batches(self, group: np.ndarray) -> list[MicroBatch]:
+        """This worker's micro-batches of one step, collated and pinned on the host: O(batch)
+        work, no device involved (so it can run ahead, in the feeder's thread)."""
+        d = self.train_data
         split = batching.split_step(group, d.src_len, d.tgt_len, self.world, self.tc.max_tokens_per_batch)
         micro = []
         for rows in split.for_worker(self.rank):
@@ -210,16 +243,24 @@ class Trainer:
             rows = rows if len(rows) else group[:1]
             b = batching.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
                                  self.mcfg.pad_id, self.mcfg.bos_id, self.mcfg.eos_id)
-            micro.append(to_device(b, self.device, weight))
+            micro.append(pin(b, self.device, weight))
+        return micro
+
+    def _train_step(self, model: torch.nn.Module, group: np.ndarray, host_micro: list[MicroBatch],
+                    window: _Window) -> None:
+        d, p = self.train_data, self.progress
+        micro = [upload(mb, self.device) for mb in host_micro]
         step_tgt = int(batching.target_tokens(d.tgt_len[group]).sum())
         step_src = int(d.src_len[group].sum()) + len(group)
         torch.manual_seed(step_seed(self.tc.seed, self.rank, p.step + 1))
         model.train()
+        t_model = time.perf_counter()
         loss, nll = accumulate_gradients(model, micro, step_tgt, self.world, self.tc.label_smoothing,
                                          self.mcfg.pad_id, self.autocast, self.scaler)
         want_norm = (p.step + 1) % self.tc.log_interval_steps == 0 or p.step + 1 == self.tc.max_steps
         window.lr = self.optimizer.param_groups[0]["lr"]
         norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.scaler, self.tc.clip_norm, want_norm)
+        self.timing["model_s"] += time.perf_counter() - t_model
         if norm is not None:
             window.grad_norm = norm
         window.steps += 1
@@ -285,11 +326,15 @@ class Trainer:
         log.info("step %d/%d | val loss %.4f | val ppl %.2f", self.progress.step, self.tc.max_steps,
                  m["val/loss"], m["val/ppl"])
 
-    def _checkpoint_due(self, last_ckpt_t: float) -> bool:
+    def _checkpoint_due(self, last_ckpt_t: float, log_step: bool) -> bool:
         step, tc = self.progress.step, self.tc
         due = step % tc.checkpoint_interval_steps == 0 or step == tc.max_steps
-        if tc.checkpoint_interval_s > 0:  # wall clocks differ between workers: rank 0 decides
-            flag = torch.tensor([int(due or time.monotonic() - last_ckpt_t >= tc.checkpoint_interval_s)],
+        if tc.checkpoint_interval_s > 0 and log_step and not due:
+            # Wall clocks differ between workers: rank 0 decides, and tells the others with a
+            # broadcast, which waits for the device. Asked on log steps only (which all workers
+            # reach together), so a step that neither logs nor checkpoints never syncs; a
+            # time-based checkpoint comes at most `train.log_interval_steps` late.
+            flag = torch.tensor([int(time.monotonic() - last_ckpt_t >= tc.checkpoint_interval_s)],
                                 device=self.device)
             if self.world > 1:
                 dist.broadcast(flag, src=0)
@@ -298,11 +343,12 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         """Rank 0 writes the folder and reports it; the others report without (a barrier)."""
-        p = self.progress
+        p, t0 = self.progress, time.perf_counter()
         metrics = {"step": p.step, "epoch": p.epoch, **self.last_metrics}
         name = train_checkpoint.checkpoint_dir_name(p.step)
+        upload_async = self.tc.checkpoint_upload == "async"
         if self.rank != 0:
-            self.session.report(metrics, None, None)
+            self.session.report(metrics, None, None, upload_async)
             return
         tmp = tempfile.mkdtemp(prefix=f"{name}-")
         try:
@@ -310,10 +356,19 @@ class Trainer:
                                   scaler=self.scaler, progress=p, model_config=self.spec.model_config,
                                   extra={"seed": self.tc.seed, "world_size": self.world,
                                          "num_dropped": self.num_dropped})
-            self.session.report(metrics, tmp, name)
-        finally:
+            self._maybe_fail_upload(tmp)
+            # async: Ray Train uploads in a background thread, registers the checkpoint only once
+            # it is complete, deletes `tmp` afterwards, and waits for the upload before the run ends.
+            self.session.report(metrics, tmp, name, upload_async)
+        except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
-        log.info("step %d/%d | checkpoint %s", p.step, self.tc.max_steps, name)
+            raise
+        if not upload_async:
+            shutil.rmtree(tmp, ignore_errors=True)
+        stall = time.perf_counter() - t0
+        self.timing["checkpoint_s"].append(stall)
+        log.info("step %d/%d | checkpoint %s (%s upload; the loop waited %.2f s)", p.step, self.tc.max_steps,
+                 name, "background" if upload_async else "synchronous", stall)
 
     def _maybe_fail(self, step: int) -> None:
         """Tests only: the last worker fails before `fail_at_step`, once (the marker file says so).
@@ -322,7 +377,7 @@ class Trainer:
         "hang": the worker stops there, so a test can kill the driver at a known step.
         """
         s = self.spec
-        if s.fail_at_step != step or self.rank != self.world - 1 or not s.fail_marker:
+        if s.fail_at_step != step or self.rank != self.world - 1 or not s.fail_marker or s.fail_mode == "upload":
             return
         if os.path.exists(s.fail_marker):
             return
@@ -333,13 +388,50 @@ class Trainer:
                 time.sleep(60)
         raise RuntimeError(f"injected failure before step {step} (test hook {FAIL_AT_STEP_ENV})")
 
+    def _maybe_fail_upload(self, checkpoint_dir: str) -> None:
+        """Tests only (fail_mode "upload"): at the first checkpoint at or after `fail_at_step`,
+        rank 0's process dies while that checkpoint is being uploaded (once: the marker file)."""
+        s = self.spec
+        if s.fail_mode != "upload" or self.progress.step < s.fail_at_step or os.path.exists(s.fail_marker):
+            return
+        Path(s.fail_marker).write_text(str(self.progress.step))
+        self.session.die_during_next_upload = True  # RaySession.report: the upload kills the worker
+
     def summary(self) -> dict[str, Any]:
         p = self.progress
         return {"final_step": p.step, "start_step": self.start_step, "epoch": p.epoch,
                 "tokens_seen": {"src": p.tokens_src, "tgt": p.tokens_tgt},
                 "train_time_s": p.train_time_s, "num_dropped_too_long": self.num_dropped,
                 "num_pairs": len(self.rows), "precision": self.precision, "world_size": self.world,
+                "timing": self.timing,
                 "history_train": p.history_train, "history_val": p.history_val, "last_metrics": self.last_metrics}
+
+
+class _Feeder:
+    """Hands out a step's host micro-batches, built one step ahead in a background thread.
+
+    The batches are a pure function of the step's rows, so prefetch on or off gives the same
+    losses (tested); on a GPU the collate, the pinning and the index computation then overlap
+    the previous step's kernels instead of delaying the next launch."""
+
+    def __init__(self, build: Any, prefetch: bool):
+        self.build = build
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch else None
+        self.ahead: tuple[np.ndarray, Future] | None = None
+
+    def take(self, group: np.ndarray, next_group: np.ndarray | None) -> list[MicroBatch]:
+        if self.ahead is not None and self.ahead[0] is group:
+            batches = self.ahead[1].result()
+        else:
+            batches = self.build(group)
+        self.ahead = None
+        if self.pool is not None and next_group is not None:
+            self.ahead = (next_group, self.pool.submit(self.build, next_group))
+        return batches
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def train_worker(spec: dict[str, Any], session: Session) -> dict[str, Any]:

@@ -146,11 +146,32 @@ class RaySession:
         with checkpoint.as_directory() as path:
             yield path
 
-    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, dir_name: str | None) -> None:
+    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, dir_name: str | None,
+               upload_async: bool = False) -> None:
         import ray.train
+        from ray.train import CheckpointUploadMode
 
         checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=dir_name if checkpoint else None)
+        mode = CheckpointUploadMode.ASYNC if upload_async else CheckpointUploadMode.SYNC
+        dying = checkpoint is not None and getattr(self, "die_during_next_upload", False)
+        self.die_during_next_upload = False
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=dir_name if checkpoint else None,
+                         checkpoint_upload_mode=mode, checkpoint_upload_fn=_dying_upload if dying else None)
+
+
+def _dying_upload(checkpoint: Any, dir_name: str) -> Any:
+    """Tests only: copy one file of the checkpoint to its destination, then kill this worker
+    process, as a node lost mid-upload would. Ray Train must never take that folder as a checkpoint."""
+    import pyarrow.fs as pafs
+    import ray.train
+
+    st = ray.train.get_context().get_storage()
+    dest = f"{st.experiment_fs_path}/{dir_name}"
+    st.storage_filesystem.create_dir(dest)
+    pafs.copy_files(f"{checkpoint.path}/{train_checkpoint.MODEL_FILE}", f"{dest}/{train_checkpoint.MODEL_FILE}",
+                    source_filesystem=checkpoint.filesystem, destination_filesystem=st.storage_filesystem)
+    log.warning("test hook %s: worker dies during the upload of %s", FAIL_AT_STEP_ENV, dir_name)
+    os._exit(1)
 
 
 def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +203,23 @@ def gpu_training(cfg: Config) -> bool:
     return bool(cfg.train.use_gpu and ray.cluster_resources().get("GPU", 0) >= 1)
 
 
+def cpus_per_worker(cfg: Config, use_gpu: bool) -> int:
+    """CPUs each worker reserves and uses as torch threads (`train.cpus_per_worker`, 0 = auto).
+
+    Auto on CPU: the cluster's CPUs shared out over the workers, at most one node's worth, so a
+    laptop's training uses every core (Ray would otherwise give a worker 1 CPU, hence 1 thread).
+    Auto on GPU: 1 (the GPU does the work; the rest stays free for Ray Data stages)."""
+    import ray
+
+    if cfg.train.cpus_per_worker > 0:
+        return cfg.train.cpus_per_worker
+    if use_gpu:
+        return 1
+    per_node = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+    total, largest = sum(per_node), max(per_node, default=1)
+    return max(1, int(min(total // cfg.train.num_workers, largest)))
+
+
 def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
     """Run (or resume) the Ray Train run `run_name`; the `Result`."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -194,19 +232,22 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
         log.warning("train.use_gpu = true but the Ray cluster has no GPU: training on CPU (fp32)")
     if not use_gpu and tc.precision != "fp32":
         log.info("train: CPU training runs in fp32 (train.precision=%s applies on GPU only)", tc.precision)
+    cpus = cpus_per_worker(cfg, use_gpu)
+    spec.num_threads = 0 if use_gpu else cpus
     trainer = TorchTrainer(
         train_fn_per_worker,
         train_loop_config=spec.to_dict(),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": cpus, **({"GPU": 1} if use_gpu else {})},
                                      placement_strategy=tc.placement_strategy),
         run_config=RunConfig(
             name=run_name, storage_path=storage_path,
             failure_config=FailureConfig(max_failures=tc.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints)),
     )
-    log.info("train: Ray Train run %s under %s, %d %s worker(s)", run_name, storage_path, tc.num_workers,
-             "GPU" if use_gpu else "CPU")
+    log.info("train: Ray Train run %s under %s, %d %s worker(s), %d CPU(s) each", run_name, storage_path,
+             tc.num_workers, "GPU" if use_gpu else "CPU", cpus)
     return trainer.fit()
 
 

@@ -40,14 +40,37 @@ class MicroBatch:
     tgt_in: torch.Tensor  # (B, T)
     tgt_out: torch.Tensor  # (B, T)
     weight: float = 1.0  # 0 for a stand-in when a worker has no rows for this micro-step
+    src_index: torch.Tensor | None = None  # (Ms,) flat non-pad positions of src (host-computed)
+    tgt_index: torch.Tensor | None = None  # (M,) flat non-pad positions of tgt_in / tgt_out
+    target: torch.Tensor | None = None  # (M,) tgt_out at those positions
+
+
+def pin(batch: batching.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:
+    """Host side of `to_device`: torch tensors over the batch's arrays, in pinned memory for a GPU
+    (so the copy can be asynchronous). Safe to run in a background thread (prefetch)."""
+    def t(x: np.ndarray | None) -> torch.Tensor | None:
+        if x is None:
+            return None
+        x = torch.from_numpy(x)
+        return x.pin_memory() if device.type == "cuda" else x
+
+    return MicroBatch(t(batch.src), t(batch.tgt_in), t(batch.tgt_out), weight, t(batch.src_index),
+                      t(batch.tgt_index), t(batch.target))
+
+
+def upload(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    """Copy a pinned micro-batch to the device without waiting for it (a no-op on CPU)."""
+    if device.type != "cuda":
+        return mb
+    def t(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(device, non_blocking=True)
+
+    return MicroBatch(t(mb.src), t(mb.tgt_in), t(mb.tgt_out), mb.weight, t(mb.src_index), t(mb.tgt_index),
+                      t(mb.target))
 
 
 def to_device(batch: batching.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:
-    def t(x: np.ndarray) -> torch.Tensor:
-        x = torch.from_numpy(x)
-        return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
-
-    return MicroBatch(t(batch.src), t(batch.tgt_in), t(batch.tgt_out), weight)
+    return upload(pin(batch, device, weight), device)
 
 
 def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch], step_tgt_tokens: int,
@@ -66,9 +89,12 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch]
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
         with sync:
-            target = mb.tgt_out[mb.tgt_out != pad_id]  # (M,): the projection skips pad positions
+            # (M,): the projection skips pad positions. A boolean index would wait for the device
+            # to learn M; collate gives the target and the positions, computed on the host.
+            target = mb.target if mb.target is not None else mb.tgt_out[mb.tgt_out != pad_id]
             with autocast():
-                logits = model(mb.src, mb.tgt_in, nonpad_only=True)  # (M, V)
+                logits = model(mb.src, mb.tgt_in, nonpad_only=True, src_index=mb.src_index,
+                               tgt_index=mb.tgt_index)  # (M, V)
             loss, nll = label_smoothed_nll(logits, target, epsilon=epsilon, ignore_index=pad_id)
             if mb.weight != 1.0:
                 loss, nll = loss * mb.weight, nll * mb.weight
@@ -99,7 +125,6 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm
-
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
