@@ -167,34 +167,35 @@ class Batch:
     target: np.ndarray | None = None  # (num_tgt_tokens,) = tgt_out[tgt_out != pad], row-major
 
 
-def _pad(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray, pad_id: int, head: int | None,
-         tail: int | None) -> np.ndarray:
-    """Rows of a flattened list column as a padded (B, max_len + specials) matrix."""
-    starts, ends = offsets[rows], offsets[rows + 1]
-    lens = ends - starts
-    extra = (head is not None) + (tail is not None)
-    out = np.full((len(rows), int(lens.max(initial=0)) + extra), pad_id, dtype=np.int64)
-    col0 = 1 if head is not None else 0
-    if head is not None:
-        out[:, 0] = head
-    # Scatter all pieces at once: row r, columns col0 .. col0 + lens[r].
+def _gather(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The pieces of `rows` of a flattened list column, all at once: (lens, pieces in row order,
+    the row of each piece, its column within its row)."""
+    starts = offsets[rows]
+    lens = offsets[rows + 1] - starts
     row_idx = np.repeat(np.arange(len(rows)), lens)
     within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-    src_idx = np.repeat(starts, lens) + within
-    out[row_idx, col0 + within] = values[src_idx]
-    if tail is not None:
-        out[np.arange(len(rows)), col0 + lens] = tail
-    return out
+    return lens, values[np.repeat(starts, lens) + within], row_idx, within
 
 
 def collate(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, tgt_values: np.ndarray,
             tgt_offsets: np.ndarray, pad_id: int, bos_id: int, eos_id: int) -> Batch:
     """Padded source, decoder input and target for `rows` of flattened id lists."""
-    src = _pad(src_values, src_offsets, rows, pad_id, None, eos_id)
-    tgt_in = _pad(tgt_values, tgt_offsets, rows, pad_id, bos_id, None)
-    tgt_out = _pad(tgt_values, tgt_offsets, rows, pad_id, None, eos_id)
-    src_index = _prefix_positions(src_offsets[rows + 1] - src_offsets[rows] + 1, src.shape[1])
-    tgt_index = _prefix_positions(tgt_offsets[rows + 1] - tgt_offsets[rows] + 1, tgt_in.shape[1])
+    B, every = len(rows), np.arange(len(rows))
+    s_lens, s_pieces, s_row, s_col = _gather(src_values, src_offsets, rows)
+    src = np.full((B, int(s_lens.max(initial=0)) + 1), pad_id, dtype=np.int64)  # pieces + [eos]
+    src[s_row, s_col] = s_pieces
+    src[every, s_lens] = eos_id
+    t_lens, t_pieces, t_row, t_col = _gather(tgt_values, tgt_offsets, rows)
+    width = int(t_lens.max(initial=0)) + 1
+    tgt_in = np.full((B, width), pad_id, dtype=np.int64)  # [bos] + pieces
+    tgt_in[:, 0] = bos_id
+    tgt_in[t_row, t_col + 1] = t_pieces
+    tgt_out = np.full((B, width), pad_id, dtype=np.int64)  # pieces + [eos]
+    tgt_out[t_row, t_col] = t_pieces
+    tgt_out[every, t_lens] = eos_id
+    src_index = _prefix_positions(s_lens + 1, src.shape[1])
+    tgt_index = _prefix_positions(t_lens + 1, width)
     target = tgt_out.reshape(-1)[tgt_index]
     return Batch(src, tgt_in, tgt_out, len(src_index), len(tgt_index), src_index, tgt_index, target)
 

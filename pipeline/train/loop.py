@@ -207,7 +207,7 @@ class Trainer:
                 t_step = time.perf_counter()
                 group = plan[p.step_in_epoch]
                 nxt = plan[p.step_in_epoch + 1] if p.step_in_epoch + 1 < len(plan) else None
-                self._train_step(model, group, feeder.take(group, nxt), window)
+                self._train_step(model, feeder.take(group, nxt), window)
                 p.step += 1
                 p.step_in_epoch += 1
                 p.train_time_s = time_base + time.perf_counter() - t_attempt
@@ -232,10 +232,13 @@ class Trainer:
         self.timing["plan_s"] += time.perf_counter() - t0
         return plan
 
-    def _host_batches(self, group: np.ndarray) -> list[MicroBatch]:
-        """This worker's micro-batches of one step, collated and pinned on the host: O(batch)
-        work, no device involved (so it can run ahead, in the feeder's thread)."""
+    def _host_batches(self, group: np.ndarray) -> tuple[list[MicroBatch], int, int]:
+        """This worker's micro-batches of one step, collated and pinned on the host, and the
+        step's (target, source) token counts: O(batch) work, no device involved (so it can run
+        ahead, in the feeder's thread)."""
         d = self.train_data
+        step_tgt = int(batching.target_tokens(d.tgt_len[group]).sum())
+        step_src = int(d.src_len[group].sum()) + len(group)
         split = batching.split_step(group, d.src_len, d.tgt_len, self.world, self.tc.max_tokens_per_batch)
         micro = []
         for rows in split.for_worker(self.rank):
@@ -244,14 +247,12 @@ class Trainer:
             b = batching.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
                                  self.mcfg.pad_id, self.mcfg.bos_id, self.mcfg.eos_id)
             micro.append(pin(b, self.device, weight))
-        return micro
+        return micro, step_tgt, step_src
 
-    def _train_step(self, model: torch.nn.Module, group: np.ndarray, host_micro: list[MicroBatch],
-                    window: _Window) -> None:
-        d, p = self.train_data, self.progress
+    def _train_step(self, model: torch.nn.Module, host: tuple[list[MicroBatch], int, int], window: _Window) -> None:
+        p = self.progress
+        host_micro, step_tgt, step_src = host
         micro = [upload(mb, self.device) for mb in host_micro]
-        step_tgt = int(batching.target_tokens(d.tgt_len[group]).sum())
-        step_src = int(d.src_len[group].sum()) + len(group)
         torch.manual_seed(step_seed(self.tc.seed, self.rank, p.step + 1))
         model.train()
         t_model = time.perf_counter()
@@ -419,7 +420,7 @@ class _Feeder:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch else None
         self.ahead: tuple[np.ndarray, Future] | None = None
 
-    def take(self, group: np.ndarray, next_group: np.ndarray | None) -> list[MicroBatch]:
+    def take(self, group: np.ndarray, next_group: np.ndarray | None) -> tuple[list[MicroBatch], int, int]:
         if self.ahead is not None and self.ahead[0] is group:
             batches = self.ahead[1].result()
         else:

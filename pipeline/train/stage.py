@@ -170,6 +170,10 @@ def _dying_upload(checkpoint: Any, dir_name: str) -> Any:
     st.storage_filesystem.create_dir(dest)
     pafs.copy_files(f"{checkpoint.path}/{train_checkpoint.MODEL_FILE}", f"{dest}/{train_checkpoint.MODEL_FILE}",
                     source_filesystem=checkpoint.filesystem, destination_filesystem=st.storage_filesystem)
+    # An upload in progress for a while: Ray Train's controller registers each reported checkpoint
+    # at its next poll of the workers (every 2 s, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), so the
+    # previous one is registered by the time this worker dies.
+    time.sleep(5)
     log.warning("test hook %s: worker dies during the upload of %s", FAIL_AT_STEP_ENV, dir_name)
     os._exit(1)
 

@@ -125,6 +125,24 @@ def test_worker_failure_resumes_from_the_latest_checkpoint(ray_local, shards, ba
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+def test_worker_dying_mid_upload_resumes_from_the_previous_complete_checkpoint(ray_local, shards, baseline,
+                                                                              tmp_path, monkeypatch):
+    # Rank 0's process dies while the step-20 checkpoint is half-uploaded (one file of three
+    # at its destination): Ray Train must not take it as the latest, and restarts from step 10.
+    monkeypatch.setenv(FAIL_AT_STEP_ENV, f"20:{tmp_path / 'died'}:upload")
+    cfg = make_config(tmp_path)
+    assert cfg.train.checkpoint_upload == "async"
+    result = train.run(make_context(cfg, "upload", shards))
+    assert (tmp_path / "died").read_text() == "20"
+    out = result.outputs
+    assert out["final_step"] == 30 and out["resumed_from_step"] == 10
+    assert_complete_checkpoints(Path(out["storage_path"]) / "upload")
+    want = torch.load(Path(baseline[1].outputs["checkpoints"][-1]) / "model.pt", weights_only=True)
+    got = torch.load(Path(out["checkpoints"][-1]) / "model.pt", weights_only=True)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 DRIVER = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO)
