@@ -137,6 +137,7 @@ class TrainConfig:
     corpus_cache_dir: str = op("")  # node-local folder for the shared training-split copy; "" = <tmp>
     prefetch: bool = op(True)  # prepare the next step's micro-batches in a background thread
     compile: bool = op(False)  # torch.compile(dynamic=True) the model (GPU; works on CPU with a C++ compiler)
+    compile_backend: str = op("inductor")  # torch.compile backend ("aot_eager": capture only, for tests)
     grad_compression: str = op("none")  # "bf16": DDP all-reduces gradients in bf16 (multi-node)
     checkpoint_upload: str = op("async")  # "async": upload in the background (Ray Train ASYNC); "sync"
 

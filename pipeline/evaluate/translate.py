@@ -219,8 +219,15 @@ def _actor_resources(cfg: Any) -> tuple[dict[str, Any], str, int]:
     num_cpus = cfg.run.data_num_cpus
     if cfg.eval.use_gpu and ray.cluster_resources().get("GPU", 0) >= 1:
         return {"num_gpus": 1, "num_cpus": num_cpus}, "cuda", 0
-    # One torch thread per reserved CPU (at least one): actors never oversubscribe the node.
-    return {"num_cpus": num_cpus}, "cpu", max(1, int(num_cpus))
+    # Ray reserves run.data_num_cpus per actor (fewer than the node's CPUs, so Ray Data's read
+    # tasks keep one: an actor pool holding every CPU deadlocks them), but the actors' torch
+    # threads share out the whole node (eval.threads_per_worker, 0 = auto): decoding is the only
+    # heavy work while translate runs, and one thread per actor left most of a laptop idle.
+    threads = cfg.eval.threads_per_worker
+    if threads <= 0:
+        largest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")), default=1)
+        threads = int(largest // max(1, cfg.eval.num_workers))
+    return {"num_cpus": num_cpus}, "cpu", max(1, int(num_cpus), threads)
 
 
 def translate_rows(rows: pd.DataFrame, translator_kwargs: dict[str, Any], num_workers: int,

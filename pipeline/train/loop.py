@@ -150,7 +150,7 @@ class Trainer:
         self.forward_model: torch.nn.Module = self.model  # what steps call (compiled if asked)
         if self.tc.compile:
             # dynamic=True: batch shapes change every step (token buckets); one graph serves them.
-            self.forward_model = torch.compile(self.model, dynamic=True)
+            self.forward_model = torch.compile(self.model, dynamic=True, backend=self.tc.compile_backend)
         self.progress = Progress()
         self.tracker = _make_tracker(spec.tracking_uri, spec.run_id) if self.rank == 0 else None
         self.last_metrics: dict[str, float] = {}

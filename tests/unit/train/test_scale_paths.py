@@ -153,3 +153,15 @@ def test_time_based_checkpoint_is_decided_on_log_steps_only(shards, tmp_path):
     trainer.run()
     steps = sorted(int(p.name.split("_")[1]) for p in LocalSession(tmp_path).checkpoints())
     assert steps == [3, 6]
+
+
+@pytest.mark.slow
+def test_compiled_model_trains_like_eager(shards, tmp_path):
+    # aot_eager: TorchDynamo's graph capture and AOT autograd, without inductor's C++ codegen
+    # (inductor works on this machine too, but its first compile takes ~90 s on 2 cores; the
+    # GPU check, benchmarks/gpu_check.sh, runs inductor).
+    eager = train_worker(tiny_spec(shards, max_steps=3), LocalSession(tmp_path / "eager"))
+    compiled = train_worker(tiny_spec(shards, max_steps=3, compile=True, compile_backend="aot_eager"),
+                            LocalSession(tmp_path / "compiled"))
+    want, got = ([h[1] for h in r["history_train"]] for r in (eager, compiled))
+    assert got == pytest.approx(want, rel=1e-5)
