@@ -14,6 +14,9 @@ Bad input never stops the run or shifts a line: an empty source gives an empty l
 (``num_empty``); a source that would not fit the model's positions together with its output
 budget is truncated to ``max_source_len`` pieces (``num_truncated``).
 
+``eval.backend = "ctranslate2"`` runs the ``export`` stage's CTranslate2 model in the same actors
+instead of our beam search (``ct2_backend.py``; the same batches, order and bad-input handling).
+
 CLI (no Ray): ``python -m pipeline.evaluate.translate --model-dir DIR --spm spm.model < input.en``.
 """
 
