@@ -36,6 +36,8 @@ test-unit: install
 	$(BIN)/python -m pytest tests/unit -m "not slow"
 
 ui: install
+	@echo "MLflow 3.17 opens on its GenAI view: pick 'Model training' (top left; remembered by the browser) or open"
+	@echo "  http://127.0.0.1:5000/#/experiments/1?workflowType=machine_learning"
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath work/local/mlflow.db) --host 127.0.0.1 --port 5000
 
 bench: install

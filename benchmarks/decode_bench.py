@@ -14,6 +14,12 @@ reported too: ``actor_cpu_vs_plain_cpu`` near 1.0 means Ray adds no per-sentence
 
     .venv/bin/python benchmarks/decode_bench.py [--num-sentences 300] [--repeats 2] [--workers 1,2] [--out bench.json]
 
+``--engines`` instead compares the decoding engines on one set of weights (a trained tiny model,
+or ``--work-dir``'s averaged model) and sentences: our beam search, CTranslate2 float32 and
+int8, each in this process on one thread, printing sentences/s and sacreBLEU side by side:
+
+    .venv/bin/python benchmarks/decode_bench.py --engines [--num-sentences 300] [--work-dir work/local]
+
 The model is random (it never predicts eos, so every sentence decodes its full a*S+b budget:
 a steady, comparable workload); its sizes are small so that a 2-core machine finishes in a
 few minutes. Hypotheses of the plain loop and of every Ray run are checked to be identical.
@@ -109,8 +115,68 @@ def ray_run(assets: dict, settings: dict, batch_tokens: int, workers: int, actor
     return time.perf_counter() - start, dict(zip(res["idx"].tolist(), res["hyp"])), float(res["cpu_s"].sum())
 
 
+ENGINES = (("ours (torch beam search, GNMT lp)", "torch", ""), ("ctranslate2 float32", "ctranslate2", "ct2_float32"),
+           ("ctranslate2 int8", "ctranslate2", "ct2_int8"))
+
+
+def engine_assets(args: argparse.Namespace, root: Path) -> dict:
+    """Weights for ``--engines``: a pipeline work dir's latest average + vocab (``--work-dir``),
+    else the tiny model of tests/support/tiny_model.py trained here (~30 s); exported here."""
+    from pipeline.serve.export import export_all
+
+    if args.work_dir:
+        avg = translate._latest_outputs(args.work_dir, "average")
+        assets = {"model": avg["model"], "model_config": avg["model_config"],
+                  "spm": translate._latest_outputs(args.work_dir, "vocab")["model"]}
+    else:
+        from tests.support.tiny_model import train_tiny_model
+
+        assets = train_tiny_model(Path(args.data), root / "tiny")
+    assets.update(export_all(assets["model"], assets["model_config"], assets["spm"], root / "export"))
+    return assets
+
+
+def compare_engines(args: argparse.Namespace) -> dict:
+    """Our beam search, CTranslate2 float32 and int8 on the same weights and planned batches, in
+    this process, one thread each: sentences/s and sacreBLEU against the newstest2014 references."""
+    import sacrebleu
+
+    data = Path(args.data)
+    src = (data / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:args.num_sentences]
+    refs = (data / "newstest2014.de").read_text(encoding="utf-8").splitlines()[:args.num_sentences]
+    settings = asdict(translate.DecodeSettings(args.beam, 0.6, 1.0, 50))  # §6.1
+    results: dict = {"settings": settings, "num_sentences": len(src), "threads": 1, "engines": []}
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        assets = engine_assets(args, Path(tmp))
+        results["model"] = assets["model_config"]
+        for name, backend, folder in ENGINES:
+            tr = translate.Translator(assets["model"], assets["model_config"], assets["spm"], settings,
+                                      num_threads=1, backend=backend, ct2_model=assets.get(folder, ""))
+            max_len = translate.max_source_len(tr.cfg.max_positions, 1.0, 50)
+            sources, _ = translate.prepare_sources([tr.sp.encode(s) for s in src], max_len, tr.cfg.eos_id)
+            keep = [i for i, s in enumerate(sources) if s is not None]
+            hyps = [""] * len(src)
+            start = time.perf_counter()
+            for batch in translate.plan_batches([len(sources[i]) for i in keep], args.batch_tokens):
+                for m, h in zip(batch, tr.translate_ids([sources[keep[m]] for m in batch])):
+                    hyps[keep[m]] = h
+            wall = time.perf_counter() - start
+            bleu = sacrebleu.corpus_bleu(hyps, [refs]).score
+            results["engines"].append({"engine": name, "wall_s": wall, "sentences_per_s": len(src) / wall,
+                                       "bleu_sacre": bleu})
+            log.info("%-34s %7.1f sentences/s  BLEU %5.2f", name, len(src) / wall, bleu)
+    base = results["engines"][0]["sentences_per_s"]
+    for e in results["engines"]:
+        e["speed_vs_ours"] = e["sentences_per_s"] / base
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--engines", action="store_true",
+                   help="instead: ours vs CTranslate2 float32 / int8 (sentences/s, BLEU), same weights")
+    p.add_argument("--work-dir", default="", help="--engines: use this pipeline work dir's averaged model")
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "wmt14"))
     p.add_argument("--num-sentences", type=int, default=300)
     p.add_argument("--repeats", type=int, default=2)
@@ -126,6 +192,12 @@ def main() -> None:
     p.add_argument("--out", default="")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.engines:
+        results = compare_engines(args)
+        print(json.dumps(results, indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        return
     import ray
 
     model_cfg = {"d_model": args.d_model, "d_ff": 4 * args.d_model, "n_heads": 4, "n_encoder_layers": args.layers,

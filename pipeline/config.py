@@ -182,8 +182,14 @@ class EvalConfig:
     # 0 = every sentence. Otherwise decode and score only the first N sentences of each split:
     # for smoke tests; the report says so, and such a score is not comparable with the paper's.
     max_sentences: int = 0
+    # The decoding engine of `translate`: "torch" = our beam search (the reference semantics,
+    # GNMT length penalty); "ctranslate2" = the `export` stage's CTranslate2 model (the fast path).
+    backend: str = "torch"
+    ct2_quantization: str = "int8"  # the exported CTranslate2 model the backend runs: "float32" | "int8"
 
     def validate(self) -> None:
+        _check(self.backend in ("torch", "ctranslate2"), "eval.backend", "must be 'torch' or 'ctranslate2'")
+        _check(self.ct2_quantization in ("float32", "int8"), "eval.ct2_quantization", "must be 'float32' or 'int8'")
         _check(self.average_last >= 1, "eval.average_last", "must be >= 1")
         _check(self.beam_size >= 1, "eval.beam_size", "must be >= 1")
         _check(self.alpha >= 0.0, "eval.alpha", "must be >= 0")

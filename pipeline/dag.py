@@ -1,4 +1,7 @@
-"""The DAG, as a table: download -> prepare -> vocab -> encode -> train -> average -> translate -> score.
+"""The DAG, as a table: download -> prepare -> vocab -> encode -> train -> average -> export -> translate -> score.
+
+``export`` (HF Marian folder, CTranslate2 models) sits before ``translate`` because the
+``eval.backend = "ctranslate2"`` path decodes with its CTranslate2 model.
 
 Each row names the config values that go into the stage's cache key and the stages it reads.
 The ``outputs`` each stage records in its manifest (what downstream stages rely on) are listed
@@ -23,9 +26,10 @@ STAGES: tuple[Stage, ...] = (
     Stage("train", "1", ("model", "train"), ("encode", "vocab"), "pipeline.train.stage:run",
           resumable=True, checksum_files=False, forget="pipeline.train.stage:forget_run"),
     Stage("average", "1", ("eval.average_last",), ("train",), "pipeline.evaluate.average:run"),
+    Stage("export", "1", (), ("average", "vocab"), "pipeline.serve.export:run"),
     Stage("translate", "1", ("eval.beam_size", "eval.alpha", "eval.max_len_a", "eval.max_len_b",
-                             "eval.splits", "eval.max_sentences"), ("average", "encode", "vocab"),
-          "pipeline.evaluate.translate:run"),
+                             "eval.splits", "eval.max_sentences", "eval.backend", "eval.ct2_quantization"),
+          ("average", "encode", "vocab", "export"), "pipeline.evaluate.translate:run"),
     Stage("score", "1", ("eval.splits", "eval.max_sentences"), ("translate", "encode"), "pipeline.evaluate.score:run"),
 )
 

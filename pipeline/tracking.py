@@ -26,6 +26,7 @@ from pipeline.config import Config
 log = logging.getLogger(__name__)
 
 _MAX_PARAM_LEN = 6000
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 def tracking_uri_for(cfg: Config) -> str:
@@ -159,8 +160,11 @@ class Tracking:
         exp = client.get_experiment_by_name(self.cfg.tracking.experiment)
         if exp is not None:
             return exp.experiment_id
+        # MLflow 3's UI opens an experiment without this tag in its GenAI view (traces); this
+        # one is model training: runs, params, metric charts (value from MLflow 3.17's UI code).
         return client.create_experiment(self.cfg.tracking.experiment,
-                                        artifact_location=artifact_location_for(self.cfg, self.uri))
+                                        artifact_location=artifact_location_for(self.cfg, self.uri),
+                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
 
     @contextmanager
     def parent_run(self, tags: dict[str, str]) -> Iterator[RunLogger]:

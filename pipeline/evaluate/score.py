@@ -68,7 +68,8 @@ def render_report(scores: dict[str, dict[str, Any]], tr: dict[str, Any]) -> str:
             f"(steps {tr.get('averaged_steps')}); the paper averages 5 (base) / 20 (big), §6.1",
             _compute_line(tr.get("train_compute") or {}),
             f"- decoding: beam {dec.get('beam_size')}, alpha {dec.get('alpha')}, max length "
-            f"{dec.get('max_len_a')} * source + {dec.get('max_len_b')} (§6.1: 4, 0.6, source + 50)"]
+            f"{dec.get('max_len_a')} * source + {dec.get('max_len_b')} (§6.1: 4, 0.6, source + 50); "
+            f"engine: {dec.get('backend', 'torch')} (eval.backend)"]
     for split, s in scores.items():
         counts = (tr.get("splits") or {}).get(split, {})
         out += [f"- {split}: {s['num_sentences']} sentences, {counts.get('num_empty', '?')} empty sources, "

@@ -14,6 +14,9 @@ Bad input never stops the run or shifts a line: an empty source gives an empty l
 (``num_empty``); a source that would not fit the model's positions together with its output
 budget is truncated to ``max_source_len`` pieces (``num_truncated``).
 
+``eval.backend = "ctranslate2"`` runs the ``export`` stage's CTranslate2 model in the same actors
+instead of our beam search (``ct2_backend.py``; the same batches, order and bad-input handling).
+
 CLI (no Ray): ``python -m pipeline.evaluate.translate --model-dir DIR --spm spm.model < input.en``.
 """
 
@@ -125,7 +128,8 @@ class Translator:
     """
 
     def __init__(self, model_path: str, model_config: dict[str, Any], spm_path: str,
-                 settings: dict[str, Any], device: str = "cpu", num_threads: int = 0):
+                 settings: dict[str, Any], device: str = "cpu", num_threads: int = 0,
+                 backend: str = "torch", ct2_model: str = ""):
         import sentencepiece as spm
 
         if num_threads > 0 and device == "cpu":
@@ -134,14 +138,25 @@ class Translator:
             raise RuntimeError("translate: a GPU was asked for but torch sees none")
         self.device = device
         self.settings = DecodeSettings(**settings)
-        self.model = load_model(model_path, model_config, device)
-        self.cfg = self.model.cfg
+        self.cfg = ModelConfig.from_dict(model_config)
         self.sp = spm.SentencePieceProcessor(model_file=str(storage.local_copy(spm_path)))
         self._specials = {self.cfg.pad_id, self.cfg.bos_id, self.cfg.eos_id}
+        self.ct2 = None  # eval.backend = "ctranslate2": the export stage's model (ct2_backend.py)
+        if backend == "ctranslate2":
+            from pipeline.evaluate.ct2_backend import CT2Engine
+
+            self.ct2 = CT2Engine(str(storage.local_copy(ct2_model)), self.sp, model_config, self.settings,
+                                 device, num_threads)
+        elif backend == "torch":
+            self.model = load_model(model_path, model_config, device)
+        else:
+            raise ValueError(f"translate: unknown backend {backend!r} (torch | ctranslate2)")
 
     def translate_ids(self, sources: Sequence[Sequence[int]]) -> list[str]:
         """Model inputs (pieces + eos, no padding) -> detokenized hypotheses."""
         s = self.settings
+        if self.ct2 is not None:
+            return [self.detokenize(ids) for ids in self.ct2.translate_ids(sources)]
         src = pad_batch(sources, self.cfg.pad_id).to(self.device)
         out = beam_search(self.model, src, beam_size=s.beam_size, alpha=s.alpha,
                           max_len_a=s.max_len_a, max_len_b=s.max_len_b)
@@ -287,7 +302,8 @@ def run(ctx: StageContext) -> StageResult:
     resources, device, threads = _actor_resources(ctx.cfg)
     kwargs = {"model_path": avg["model"], "model_config": avg["model_config"],
               "spm_path": ctx.inputs["vocab"].outputs["model"], "settings": asdict(settings),
-              "device": device, "num_threads": threads}
+              "device": device, "num_threads": threads, "backend": ev.backend,
+              "ct2_model": ctx.inputs["export"].outputs[f"ct2_{ev.ct2_quantization}"] if ev.backend == "ctranslate2" else ""}
     start = time.monotonic()
     results = translate_rows(pd.concat(rows, ignore_index=True), kwargs, ev.num_workers, resources)
     wall_s = time.monotonic() - start
@@ -313,6 +329,7 @@ def run(ctx: StageContext) -> StageResult:
                     "averaged_steps": avg.get("steps", []), "train_final_step": avg.get("train_final_step"),
                     "train_compute": avg.get("train_compute", {}),
                     "decode": {**asdict(settings), "max_source_len": max_len, "batch_tokens": ev.batch_tokens,
+                               "backend": ev.backend,
                                "num_workers": ev.num_workers, "device": device},
                     "wall_s": wall_s})
     return StageResult(outputs=outputs, metrics=metrics)

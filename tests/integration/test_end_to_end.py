@@ -48,6 +48,7 @@ def test_local_mode_end_to_end(tmp_path, mirror_dir, capsys, monkeypatch):
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'work'}/mlflow.db")
     exp = client.get_experiment_by_name("transformer-wmt14-ende")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI's model-training kind
     (parent,) = client.search_runs([exp.experiment_id], "attributes.run_name = 'transformer-local'")
     for key in ("test/bleu_sacre", "test/bleu_tok_cs", "test/chrf"):
         assert key in parent.data.metrics, key

@@ -1,0 +1,25 @@
+"""Integration fixtures: one tiny Transformer trained here for the export / backend / serve tests."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, wmt14_dir) -> dict:
+    """A 2+2-layer model trained ~20 s on news-commentary (tests/support/tiny_model.py), and its
+    SentencePiece model: ``{"model", "model_dir", "model_config", "spm"}``."""
+    from tests.support.tiny_model import train_tiny_model
+
+    return train_tiny_model(wmt14_dir, tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_model, tmp_path_factory) -> dict:
+    """The tiny model exported: ``{"hf", "ct2_float32", "ct2_int8"}`` folders."""
+    from pathlib import Path
+
+    from pipeline.serve.export import export_all
+
+    out = tmp_path_factory.mktemp("tiny_export")
+    return export_all(tiny_model["model"], tiny_model["model_config"], tiny_model["spm"], Path(out))
