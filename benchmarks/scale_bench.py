@@ -45,8 +45,9 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+# SCALE_BENCH_TREE=<another checkout> measures that tree's loop with this script (before/after).
+TREE = Path(os.environ.get("SCALE_BENCH_TREE", REPO))
+sys.path.insert(0, str(TREE))
 VOCAB = 37000  # the base model's vocabulary, for the checkpoint figures
 BENCH_VOCAB = 1004  # ids 4..1003 in the synthetic shards and the tiny model
 PIECES_PER_WORD = 1.3
@@ -250,6 +251,8 @@ def main() -> None:
     ap.add_argument("--mirror", default=os.environ.get("WMT14_MIRROR", str(REPO.parent / "shared/data/statmt-mirror")))
     ap.add_argument("--json")
     ap.add_argument("--no-checkpoint", action="store_true")
+    ap.add_argument("--prepare-only", action="store_true", help="write the synthetic shards and stop")
+    ap.add_argument("--single-run", action="store_true", help="one worker run per size (no second, warm start)")
     ap.add_argument("--child", action="store_true")
     for name in ("--rank", "--world", "--store", "--train-dir", "--cache", "--ckpt"):
         ap.add_argument(name, type=int if name in ("--rank", "--world") else str)
@@ -268,8 +271,11 @@ def main() -> None:
         d = write_corpus(work / f"corpus-{n}", n, words)
         print(f"{n:>10,} pairs: shards ready in {time.perf_counter() - t0:.0f} s "
               f"({sum(f.stat().st_size for f in d.glob('*.parquet')) / 2**30:.2f} GiB)", flush=True)
+        if args.prepare_only:
+            continue
+        shutil.rmtree(work / "node-cache", ignore_errors=True)  # a cold node: no copy yet
         cold = spawn(args, d, 1, work)[0]  # the first worker on the node (writes the node copy, if any)
-        warm = spawn(args, d, 1, work)[0]  # a later or replaced worker (maps the copy)
+        warm = cold if args.single_run else spawn(args, d, 1, work)[0]  # a later or replaced worker (maps it)
         key = str(n)
         res["host_ms_per_step"][key] = warm["host_ms_per_step"]
         res["startup_s"][key], res["startup_warm_s"][key] = cold["startup_s"], warm["startup_s"]
@@ -286,6 +292,9 @@ def main() -> None:
             print(f"  {args.share_workers} DDP workers: PSS {res['pss_mb_all_workers'][key]:.0f} MB in all, of it the "
                   f"corpus {res['pss_corpus_mb_all_workers'][key]:.0f} MB = "
                   f"{res['pss_corpus_mb_all_workers'][key] / copy_mb:.2f}x one copy ({copy_mb:.0f} MB)", flush=True)
+    if args.prepare_only:
+        return
+    print(f"tree: {TREE}")
     if len(sizes) > 1:
         a, b = (res["host_ms_per_step"][str(s)] for s in (sizes[0], sizes[-1]))
         print(f"host ms/step {sizes[-1]:,} / {sizes[0]:,}: {b / a:.2f}x")
