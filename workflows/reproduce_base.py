@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             if any(p.action == "run" for p in plans):
                 started_ray = ensure_ray(cfg)
             tracking = Tracking(cfg)
+            tracking.end_dead_runs()  # under the lock: RUNNING runs of this work dir are a dead driver's
             with tracking.parent_run({"config_file": str(args.config), "argv": " ".join(sys.argv[1:])}):
                 manifests = runner.execute(cfg, plans, tracking)
         report = manifests["score"].outputs.get("report") if "score" in manifests else None
