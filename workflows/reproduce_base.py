@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         preflight(cfg, write=not args.plan, check_tracking=not args.plan)  # before the plan reads the work dir
-        plans = runner.make_plan(cfg, only=args.only, from_=args.from_, force=tuple(args.force), to=args.to)
+        busy = WorkDirLock(cfg.run.work_dir).holder() if args.plan else None  # a run takes the lock below
+        plans = runner.make_plan(cfg, only=args.only, from_=args.from_, force=tuple(args.force), to=args.to,
+                                 busy=busy)
     except (ConfigError, runner.PlanError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -90,16 +90,18 @@ def _changed_keys(cfg: Config, stage: Stage) -> str:
     return "config changed (" + "; ".join(changes) + ")" if changes else "an upstream stage's key changed"
 
 
-def _interrupted(cfg: Config, stage: Stage, key: str, out_dir: str) -> str | None:
+def _interrupted(cfg: Config, stage: Stage, key: str, out_dir: str, busy: str | None = None) -> str | None:
     """A run of this very key started and never wrote its manifest (a killed driver, a failure):
-    say when it last wrote and what a rerun does; None when it never started."""
+    say when it last wrote and what a rerun does; None when it never started. With `busy` (the
+    driver that holds the work dir now) the stage may simply be running: say so instead."""
     point = stage.resume_point(cfg, key)  # train: its Ray Train run, where the checkpoints are
-    if point is not None:
-        what, when = point
-        return f"interrupted (partial output from {_local_time(when)}), {what}"
-    when = storage.last_modified(out_dir)
+    when = point[1] if point is not None else storage.last_modified(out_dir)
     if when is None:
         return None
+    if busy:
+        return f"unfinished (output from {_local_time(when)}); the work dir is in use by {busy}, which may be running it"
+    if point is not None:
+        return f"interrupted (partial output from {_local_time(when)}), {point[0]}"
     return f"interrupted (partial output from {_local_time(when)}, will rerun)"
 
 
@@ -108,7 +110,8 @@ def _local_time(epoch_s: float) -> str:
 
 
 def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
-              force: tuple[str, ...] = (), to: str | None = None) -> list[StagePlan]:
+              force: tuple[str, ...] = (), to: str | None = None, busy: str | None = None) -> list[StagePlan]:
+    """What runs and why. `busy`: the driver holding the work dir (``--plan`` during a run)."""
     for name in (only, from_, to, *force):
         if name is not None and name not in BY_NAME:
             raise PlanError(f"unknown stage '{name}' (stages: {', '.join(ORDER)})")
@@ -136,7 +139,7 @@ def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
         if s.name in forced and s.name in selected:
             action, reason = "run", forced[s.name]
         elif manifest is None:
-            action, reason = "run", ((_interrupted(cfg, s, keys[s.name], out_dir) or _changed_keys(cfg, s))
+            action, reason = "run", ((_interrupted(cfg, s, keys[s.name], out_dir, busy) or _changed_keys(cfg, s))
                                      if s.name in selected else "not cached")
         elif stale:
             action, reason = "run", f"stale: upstream {', '.join(stale)} changed since it ran"

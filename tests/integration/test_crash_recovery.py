@@ -44,13 +44,15 @@ def driver(args: list[str], log: Path, env: dict[str, str] | None = None) -> sub
                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
 
-def kill_when(proc: subprocess.Popen, ready, what: str, timeout_s: float = 300) -> None:
+def kill_when(proc: subprocess.Popen, ready, what: str, timeout_s: float = 300, before_kill=None) -> None:
     """SIGKILL the driver (by pid) as soon as `ready()`; then what is left of its session."""
     try:
         deadline = time.monotonic() + timeout_s
         while not ready() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ready(), f"the driver never reached {what} (exit code {proc.poll()})"
+        if before_kill is not None:
+            before_kill()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     finally:
@@ -92,7 +94,12 @@ def test_killed_driver_mid_encode_and_mid_train(tmp_path, mirror_dir, capsys, mo
         snapshot = train_run / SNAPSHOT
         return marker.exists() and snapshot.exists() and "checkpoint_0000016" in snapshot.read_text()
 
-    kill_when(driver(args, tmp_path / "driver2.log", {FAIL_AT_STEP_ENV: f"23:{marker}:hang"}), at_step_23, "step 23")
+    def plan_while_running() -> None:  # the hung driver still holds the work dir: not "interrupted"
+        reason = plan(args, capsys)["train"][1]
+        assert reason.startswith("unfinished (output from ") and "which may be running it" in reason, reason
+
+    proc = driver(args, tmp_path / "driver2.log", {FAIL_AT_STEP_ENV: f"23:{marker}:hang"})
+    kill_when(proc, at_step_23, "step 23", before_kill=plan_while_running)
     p = plan(args, capsys)
     assert p["encode"][0] == "cached"
     assert p["train"][0] == "run" and re.fullmatch(

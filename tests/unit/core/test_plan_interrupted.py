@@ -135,3 +135,25 @@ def test_forced_train_is_reported_as_forced_not_resumed(tmp_path, fake_stages, n
     write_snapshot(tmp_path / "ray_train" / runner.compute_keys(cfg)["train"], [10])
     plans = {p.stage.name: p for p in runner.make_plan(cfg, force=("train",))}
     assert plans["train"].reason == "forced (--force train)" and plans["train"].forced
+
+
+def test_plan_while_another_driver_holds_the_work_dir(tmp_path, fake_stages, no_tracking):
+    """`--plan` during a run: a stage with partial output may be the one running, not a crash."""
+    import socket
+
+    from workflows.lock import WorkDirLock
+
+    cfg = cfg_for(tmp_path)
+    run_to(cfg, "vocab", no_tracking)
+    encode = {p.stage.name: p for p in runner.make_plan(cfg)}["encode"]
+    storage.write_text(storage.join(encode.out_dir, "part.tmp"), "half")
+    touch_tree(encode.out_dir, WHEN)
+    assert WorkDirLock(str(tmp_path)).holder() is None
+    with WorkDirLock(str(tmp_path)):
+        busy = WorkDirLock(str(tmp_path)).holder()
+        assert busy == f"{socket.gethostname()} pid {os.getpid()}"
+        plans = {p.stage.name: p for p in runner.make_plan(cfg, busy=busy)}
+    assert plans["encode"].reason == (f"unfinished (output from 2026-01-02T03:04:05); the work dir is in use by "
+                                      f"{busy}, which may be running it")
+    assert plans["train"].reason == "never ran with this config"
+    assert WorkDirLock(str(tmp_path)).holder() is None  # released
