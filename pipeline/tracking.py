@@ -1,6 +1,7 @@
 """The only module that talks to MLflow.
 
-One parent run per workflow invocation; one nested run per stage (ran or served from cache).
+One parent run per workflow invocation; one run per (stage, cache key), continued when a crashed
+stage reruns (see `Tracking`), and a small nested run for each stage served from cache.
 Embedded default: a SQLite store under the work dir (MLflow's file store is in maintenance mode
 in 3.x) with artifacts beside it; ``tracking.uri`` / ``MLFLOW_TRACKING_URI`` name a server.
 Ray workers log through ``RunLogger`` (picklable: a URI and a run id).
