@@ -99,7 +99,8 @@ def _interrupted(cfg: Config, stage: Stage, key: str, out_dir: str, busy: str | 
     if when is None:
         return None
     if busy:
-        return f"unfinished (output from {_local_time(when)}); the work dir is in use by {busy}, which may be running it"
+        return (f"unfinished (output from {_local_time(when)}); the work dir is in use by {busy}, "
+                "which may be running it")
     if point is not None:
         return f"interrupted (partial output from {_local_time(when)}), {point[0]}"
     return f"interrupted (partial output from {_local_time(when)}, will rerun)"
