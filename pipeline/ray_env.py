@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import Config
 
 log = logging.getLogger(__name__)
 _REPO = Path(__file__).resolve().parents[1]
+_GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # read by ray._private.node when a head node starts
 
 
 def ensure_ray(cfg: Config) -> bool:
@@ -29,5 +32,48 @@ def ensure_ray(cfg: Config) -> bool:
     if address != "local":
         ray.init(address=address, log_to_driver=True)
         return False
-    ray.init(address="local", runtime_env={"env_vars": {"PYTHONPATH": str(_REPO)}}, log_to_driver=True)
+    start_local_ray(log_to_driver=True)
     return True
+
+
+def start_local_ray(**init_kwargs: Any) -> str:
+    """Start a new local Ray whose own processes know its address; returns that address.
+
+    Ray Train V2 starts a detached ``PlacementGroupCleaner`` actor that asks Ray's State API
+    whether the train controller is alive, with no address: Ray then resolves one itself
+    (``ray._private.services.canonicalize_bootstrap_address_or_die``: RAY_ADDRESS, else the
+    cluster a ``ray start`` recorded, else every GCS process found by ``ps``), and with another
+    Ray on the machine it raises "Found multiple active Ray instances" in the cleaner's monitor
+    thread (a traceback in the log; the cleaner then never removes the placement group of a
+    driver that dies). So the GCS port is chosen here and passed to every worker as RAY_ADDRESS.
+
+    The dashboard stays on (Ray's default): with ``include_dashboard=False`` Ray 2.60 starts the
+    dashboard process without its State API module, the cleaner's query then finds no controller
+    and removes the placement group of a live run, failing training (seen on this machine).
+    """
+    import ray
+
+    port = _free_port()
+    env_vars = {"PYTHONPATH": str(_REPO), "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    runtime_env = dict(init_kwargs.pop("runtime_env", None) or {})
+    runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
+    before = os.environ.get(_GCS_PORT_ENV)
+    os.environ[_GCS_PORT_ENV] = str(port)
+    try:
+        ray.init(address="local", runtime_env=runtime_env, **init_kwargs)
+    finally:
+        if before is None:
+            os.environ.pop(_GCS_PORT_ENV, None)
+        else:
+            os.environ[_GCS_PORT_ENV] = before
+    gcs = ray.get_runtime_context().gcs_address
+    if not gcs.endswith(f":{port}"):
+        log.warning("Ray started its GCS on %s, not port %d: Ray Train may warn about other Ray "
+                    "instances on this machine", gcs, port)
+    return gcs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

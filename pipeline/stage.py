@@ -107,6 +107,7 @@ class Stage:
     resumable: bool = False  # keep a partial output folder on rerun (train resumes from it)
     forget: str | None = None  # "module:function(cfg, key)" that drops resumable state when forced
     checksum_files: bool = True  # sha256 every output file in the manifest
+    resume: str | None = None  # "module:function(cfg, key)" -> (what a rerun does, when) for --plan
 
     def load(self) -> Callable[[StageContext], StageResult]:
         return self._resolve(self.impl)
@@ -115,6 +116,11 @@ class Stage:
         """Drop a resumable stage's state (e.g. train's Ray Train run) so it starts from scratch."""
         if self.forget:
             self._resolve(self.forget)(cfg, key)
+
+    def resume_point(self, cfg: Config, key: str) -> tuple[str, float] | None:
+        """Where an interrupted run of a resumable stage stands, e.g. ("will resume from step 10
+        (checkpoint checkpoint_0000010)", mtime); None when it has no partial state."""
+        return self._resolve(self.resume)(cfg, key) if self.resume else None
 
     def _resolve(self, spec: str) -> Callable[..., Any]:
         module_name, func_name = spec.split(":")

@@ -152,6 +152,21 @@ def list_files(uri: str) -> list[tuple[str, int]]:
     return sorted((i.path[len(base):], i.size) for i in infos if i.type == pafs.FileType.File)
 
 
+def last_modified(uri: str) -> float | None:
+    """When anything below ``uri`` last changed (epoch seconds): the newest file's mtime, or the
+    folder's own when it holds no file; None when ``uri`` does not exist."""
+    fs, path = resolve(uri)
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.NotFound:
+        return None
+    infos = [info]
+    if info.type == pafs.FileType.Directory:
+        infos += [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+                  if i.type == pafs.FileType.File]
+    times = [i.mtime.timestamp() for i in infos if i.mtime is not None]
+    return max(times) if times else None
+
+
 def sha256(uri: str, chunk_bytes: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open_input(uri, compression=None) as f:  # the stored bytes, even for *.gz

@@ -1,6 +1,7 @@
 """The only module that talks to MLflow.
 
-One parent run per workflow invocation; one nested run per stage (ran or served from cache).
+One parent run per workflow invocation; one run per (stage, cache key), continued when a crashed
+stage reruns (see `Tracking`), and a small nested run for each stage served from cache.
 Embedded default: a SQLite store under the work dir (MLflow's file store is in maintenance mode
 in 3.x) with artifacts beside it; ``tracking.uri`` / ``MLFLOW_TRACKING_URI`` name a server.
 Ray workers log through ``RunLogger`` (picklable: a URI and a run id).
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import subprocess
 import tempfile
 import time
@@ -88,9 +90,10 @@ class RunLogger:
         self.tracking_uri = tracking_uri
         self.run_id = run_id
         self._client = None
+        self._last_step: dict[str, int] = {}  # per key: the highest step MLflow holds
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "_client": None}
+        return {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "_client": None, "_last_step": {}}
 
     @property
     def client(self):
@@ -101,13 +104,30 @@ class RunLogger:
         return self._client
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Log `metrics` at `step` (0 when None). With an explicit step, each key is logged at most
+        once per step: a step at or below the last one the run holds for that key is skipped, so a
+        replaced worker or a restarted driver replaying steps from a checkpoint adds no duplicate
+        points (the replayed values are the same: the loop is deterministic from a checkpoint)."""
         if not self.run_id or not metrics:
             return
         from mlflow.entities import Metric
 
+        if step is not None:
+            metrics = {k: v for k, v in metrics.items() if step > self._logged_up_to(k)}
+            if not metrics:
+                return
         ts = int(time.time() * 1000)
         batch = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items()]
         self.client.log_batch(self.run_id, metrics=batch)
+        if step is not None:
+            self._last_step.update({k: step for k in metrics})
+
+    def _logged_up_to(self, key: str) -> int:
+        """The highest step of `key` in the run (-1: none), read from MLflow once per process."""
+        if key not in self._last_step:
+            history = self.client.get_metric_history(self.run_id, key)
+            self._last_step[key] = max((m.step for m in history), default=-1)
+        return self._last_step[key]
 
     def log_params(self, params: dict[str, Any]) -> None:
         if not self.run_id or not params:
@@ -144,27 +164,76 @@ class RunLogger:
 
 
 class Tracking:
-    """The workflow's MLflow session: a parent run and a nested run per stage."""
+    """The workflow's MLflow session: a parent run per invocation, one run per (stage, cache key).
+
+    A stage run is tagged with the work dir, the stage and its cache key. A rerun of a stage that
+    did not finish (killed driver: ended as KILLED by `end_dead_runs`; a failure: FAILED) continues
+    the same run, so its curves stay one curve; the new parent adopts it (`mlflow.parentRunId`) and
+    tags `stage_run.<stage>` with its id. Stages served from cache get a small nested run
+    (`cached=true`) that names the run which produced them (`source_run_id`).
+    """
 
     def __init__(self, cfg: Config):
         self.enabled = cfg.tracking.enabled
         self.uri = tracking_uri_for(cfg) if self.enabled else None
         self.cfg = cfg
+        self.work_dir = storage.absolute(cfg.run.work_dir)
+        self.driver = f"{socket.gethostname()} pid {os.getpid()}"
         self.parent: RunLogger = RunLogger(None, None)
         self._experiment_id: str | None = None
 
     def _experiment(self) -> str:
         import mlflow
 
+        if self._experiment_id is not None:
+            return self._experiment_id
         client = mlflow.MlflowClient(self.uri)
         exp = client.get_experiment_by_name(self.cfg.tracking.experiment)
-        if exp is not None:
-            return exp.experiment_id
-        # MLflow 3's UI opens an experiment without this tag in its GenAI view (traces); this
-        # one is model training: runs, params, metric charts (value from MLflow 3.17's UI code).
-        return client.create_experiment(self.cfg.tracking.experiment,
-                                        artifact_location=artifact_location_for(self.cfg, self.uri),
-                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        if exp is None:
+            # MLflow 3's UI opens an experiment without this tag in its GenAI view (traces); this
+            # one is model training: runs, params, metric charts (value from MLflow 3.17's UI code).
+            self._experiment_id = client.create_experiment(
+                self.cfg.tracking.experiment, artifact_location=artifact_location_for(self.cfg, self.uri),
+                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        else:
+            self._experiment_id = exp.experiment_id
+        return self._experiment_id
+
+    def _runs(self, filter_string: str) -> list[Any]:
+        """This work dir's runs matching `filter_string`, newest first (the work dir is compared
+        here, not in the filter: a path may hold quotes)."""
+        import mlflow
+
+        runs = mlflow.MlflowClient(self.uri).search_runs(
+            [self._experiment()], filter_string, max_results=1000, order_by=["attributes.start_time DESC"])
+        return [r for r in runs if r.data.tags.get("work_dir") == self.work_dir]
+
+    def end_dead_runs(self) -> list[str]:
+        """End the RUNNING runs of this work dir as KILLED, with an `end_reason` tag; their ids.
+
+        Call only while holding the work-dir lock (workflows/lock.py): one driver per work dir, so
+        a run of this work dir still RUNNING then belongs to a driver that died (kill -9, a lost
+        node) before it could end its runs."""
+        if not self.enabled:
+            return []
+        import mlflow
+
+        check_reachable(self.uri)
+        client = mlflow.MlflowClient(self.uri)
+        ended = []
+        for run in self._runs("attributes.status = 'RUNNING'"):
+            owner = run.data.tags.get("driver", "an unknown driver")
+            reason = (f"its driver ({owner}) died without ending it; found RUNNING at "
+                      f"{time.strftime('%Y-%m-%dT%H:%M:%S')} by {self.driver}, which holds the work-dir lock")
+            client.set_tag(run.info.run_id, "end_reason", reason)
+            client.set_terminated(run.info.run_id, status="KILLED")
+            ended.append(run.info.run_id)
+            log.warning("tracking: ended MLflow run %s (%s) as KILLED: %s", run.info.run_id,
+                        run.info.run_name, reason)
+        return ended
+
+    def _base_tags(self) -> dict[str, str]:
+        return {"git_commit": git_commit(), "work_dir": self.work_dir, "driver": self.driver}
 
     @contextmanager
     def parent_run(self, tags: dict[str, str]) -> Iterator[RunLogger]:
@@ -175,9 +244,8 @@ class Tracking:
 
         check_reachable(self.uri)
         client = mlflow.MlflowClient(self.uri)
-        self._experiment_id = self._experiment()
-        run = client.create_run(self._experiment_id, run_name=self.cfg.run.name,
-                                tags={"git_commit": git_commit(), **tags})
+        run = client.create_run(self._experiment(), run_name=self.cfg.run.name,
+                                tags={**self._base_tags(), **tags})
         self.parent = RunLogger(self.uri, run.info.run_id)
         self.parent.log_params(self.cfg.to_dict())
         self.parent.log_text(_toml_like(self.cfg.to_dict()), "config/resolved.toml")
@@ -188,27 +256,52 @@ class Tracking:
         finally:
             client.set_terminated(run.info.run_id, status=status)
 
+    def _previous_run(self, stage: str, key: str) -> Any | None:
+        """The newest run that did (or tried to do) this stage's work at this key, if any."""
+        runs = self._runs(f"tags.stage = '{stage}' and tags.cache_key = '{key}' and tags.cached = 'false'")
+        return runs[0] if runs else None
+
     @contextmanager
-    def stage_run(self, stage: str, key: str, cached: bool, params: dict[str, Any]) -> Iterator[RunLogger]:
+    def stage_run(self, stage: str, key: str, cached: bool, params: dict[str, Any],
+                  fresh: bool = False) -> Iterator[RunLogger]:
+        """The stage's run: a continued one when its last run at this key ended unfinished (unless
+        `fresh`, e.g. --force: the work restarts from scratch), else a new one."""
         if not self.enabled or not self.parent.run_id:
             yield RunLogger(None, None)
             return
         import mlflow
 
         client = mlflow.MlflowClient(self.uri)
+        previous = self._previous_run(stage, key)
         tags = {"mlflow.parentRunId": self.parent.run_id, "stage": stage, "cache_key": key,
-                "cached": str(cached).lower(), "git_commit": git_commit()}
-        run = client.create_run(self._experiment_id, run_name=f"{stage}{' (cached)' if cached else ''}",
-                                tags=tags)
-        logger = RunLogger(self.uri, run.info.run_id)
-        logger.log_params(params)
-        self.parent.set_tags({f"cache_key.{stage}": key})
+                "cached": str(cached).lower(), **self._base_tags()}
+        if not cached and not fresh and previous is not None and previous.info.status in ("KILLED", "FAILED"):
+            run_id = previous.info.run_id
+            attempt = int(previous.data.tags.get("attempts", "1")) + 1
+            client.update_run(run_id, status="RUNNING")
+            for k, v in {**tags, "attempts": str(attempt), "continued_from_status": previous.info.status,
+                         f"parent_run.{attempt}": self.parent.run_id}.items():
+                client.set_tag(run_id, k, v)
+            log.info("tracking: stage %s continues MLflow run %s (attempt %d; it ended %s)", stage, run_id,
+                     attempt, previous.info.status)
+            logger = RunLogger(self.uri, run_id)
+        else:
+            if cached and previous is not None:
+                tags["source_run_id"] = previous.info.run_id
+            if not cached:
+                tags.update({"attempts": "1", "parent_run.1": self.parent.run_id})
+            run = client.create_run(self._experiment(), run_name=f"{stage}{' (cached)' if cached else ''}",
+                                    tags=tags)
+            logger = RunLogger(self.uri, run.info.run_id)
+            logger.log_params(params)
+        self.parent.set_tags({f"cache_key.{stage}": key,
+                              f"stage_run.{stage}": tags.get("source_run_id", logger.run_id)})
         status = "FAILED"
         try:
             yield logger
             status = "FINISHED"
         finally:
-            client.set_terminated(run.info.run_id, status=status)
+            client.set_terminated(logger.run_id, status=status)
 
 
 def _toml_like(d: dict[str, Any]) -> str:

@@ -40,11 +40,14 @@ def wmt14_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray for the whole test session (2 CPUs, no dashboard), shut down at the end."""
+    """One local Ray for the whole test session (2 CPUs), started as the driver starts its own
+    (pipeline.ray_env: its workers know its address; the dashboard stays on, which Ray Train's
+    placement-group cleaner needs), shut down at the end."""
     import ray
 
+    from pipeline.ray_env import start_local_ray
+
     if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+        start_local_ray(num_cpus=2, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()

@@ -51,6 +51,35 @@ class WorkDirLock:
             self._thread.join(timeout=5)
             storage.rmtree(self.uri)
 
+    def holder(self) -> str | None:
+        """Who holds the lock now (e.g. for ``--plan``), without taking it; None when nobody does."""
+        if storage.is_remote(self.uri):
+            try:
+                data = storage.read_json(self.uri)
+            except (FileNotFoundError, OSError, ValueError):
+                return None
+            if time.time() - float(data.get("heartbeat", 0)) >= self.stale_after_s:
+                return None
+            return f"{data.get('host')} pid {data.get('pid')}"
+        import fcntl
+
+        try:
+            fd = os.open(self.uri, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.read(fd, 4096).decode(errors="replace")
+            try:
+                data = json.loads(text)
+                return f"{data.get('host')} pid {data.get('pid')}"
+            except ValueError:
+                return text.strip() or "another process"
+        finally:
+            os.close(fd)  # closing also drops the shared lock, when it was granted
+        return None
+
     def _acquire_local(self) -> None:
         import fcntl
 

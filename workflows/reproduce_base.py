@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         preflight(cfg, write=not args.plan, check_tracking=not args.plan)  # before the plan reads the work dir
-        plans = runner.make_plan(cfg, only=args.only, from_=args.from_, force=tuple(args.force), to=args.to)
+        busy = WorkDirLock(cfg.run.work_dir).holder() if args.plan else None  # a run takes the lock below
+        plans = runner.make_plan(cfg, only=args.only, from_=args.from_, force=tuple(args.force), to=args.to,
+                                 busy=busy)
     except (ConfigError, runner.PlanError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             if any(p.action == "run" for p in plans):
                 started_ray = ensure_ray(cfg)
             tracking = Tracking(cfg)
+            tracking.end_dead_runs()  # under the lock: RUNNING runs of this work dir are a dead driver's
             with tracking.parent_run({"config_file": str(args.config), "argv": " ".join(sys.argv[1:])}):
                 manifests = runner.execute(cfg, plans, tracking)
         report = manifests["score"].outputs.get("report") if "score" in manifests else None

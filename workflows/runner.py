@@ -90,8 +90,29 @@ def _changed_keys(cfg: Config, stage: Stage) -> str:
     return "config changed (" + "; ".join(changes) + ")" if changes else "an upstream stage's key changed"
 
 
+def _interrupted(cfg: Config, stage: Stage, key: str, out_dir: str, busy: str | None = None) -> str | None:
+    """A run of this very key started and never wrote its manifest (a killed driver, a failure):
+    say when it last wrote and what a rerun does; None when it never started. With `busy` (the
+    driver that holds the work dir now) the stage may simply be running: say so instead."""
+    point = stage.resume_point(cfg, key)  # train: its Ray Train run, where the checkpoints are
+    when = point[1] if point is not None else storage.last_modified(out_dir)
+    if when is None:
+        return None
+    if busy:
+        return (f"unfinished (output from {_local_time(when)}); the work dir is in use by {busy}, "
+                "which may be running it")
+    if point is not None:
+        return f"interrupted (partial output from {_local_time(when)}), {point[0]}"
+    return f"interrupted (partial output from {_local_time(when)}, will rerun)"
+
+
+def _local_time(epoch_s: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(epoch_s))
+
+
 def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
-              force: tuple[str, ...] = (), to: str | None = None) -> list[StagePlan]:
+              force: tuple[str, ...] = (), to: str | None = None, busy: str | None = None) -> list[StagePlan]:
+    """What runs and why. `busy`: the driver holding the work dir (``--plan`` during a run)."""
     for name in (only, from_, to, *force):
         if name is not None and name not in BY_NAME:
             raise PlanError(f"unknown stage '{name}' (stages: {', '.join(ORDER)})")
@@ -119,7 +140,8 @@ def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
         if s.name in forced and s.name in selected:
             action, reason = "run", forced[s.name]
         elif manifest is None:
-            action, reason = "run", _changed_keys(cfg, s) if s.name in selected else "not cached"
+            action, reason = "run", ((_interrupted(cfg, s, keys[s.name], out_dir, busy) or _changed_keys(cfg, s))
+                                     if s.name in selected else "not cached")
         elif stale:
             action, reason = "run", f"stale: upstream {', '.join(stale)} changed since it ran"
         else:
@@ -216,7 +238,7 @@ def execute(cfg: Config, plans: list[StagePlan], tracking) -> dict[str, Manifest
             log.error("%s; stopping here (nothing after it runs)", e)
             raise
         inputs = {u: manifests[u] for u in p.stage.upstream}
-        with tracking.stage_run(p.stage.name, p.key, cached=False, params=params) as t:
+        with tracking.stage_run(p.stage.name, p.key, cached=False, params=params, fresh=p.forced) as t:
             m = run_stage(cfg, p, fn, inputs, t)
             t.log_metrics({**m.metrics, "stage/wall_s": m.extra["wall_s"]})
             t.log_text(json.dumps(m.to_dict(), indent=2, default=str), "manifest.json")

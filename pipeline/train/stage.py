@@ -36,6 +36,7 @@ from pipeline.config import Config
 from pipeline.stage import StageContext, StageResult
 from pipeline.train.corpus import id_range, load_lengths, shard_files
 from pipeline.train.loop import FAIL_AT_STEP_ENV, LoopSpec, train_worker
+from pipeline.train.resume import storage_path_for
 
 log = logging.getLogger(__name__)
 
@@ -187,10 +188,6 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         pkg.addHandler(handler)
     pkg.setLevel(logging.INFO)
     return train_worker(config, RaySession())
-
-
-def storage_path_for(cfg: Config) -> str:
-    return storage.absolute(cfg.run.storage_path or storage.join(cfg.run.work_dir, "ray_train"))
 
 
 def forget_run(cfg: Config, key: str) -> None:

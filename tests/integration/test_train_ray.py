@@ -111,12 +111,18 @@ def test_two_workers_train_checkpoint_and_log(baseline):
 
 
 def test_worker_failure_resumes_from_the_latest_checkpoint(ray_local, shards, baseline, tmp_path, monkeypatch):
-    monkeypatch.setenv(FAIL_AT_STEP_ENV, f"15:{tmp_path / 'failed'}")
+    from pipeline.tracking import RunLogger
+
+    monkeypatch.setenv(FAIL_AT_STEP_ENV, f"17:{tmp_path / 'failed'}")
     cfg = make_config(tmp_path)
-    result = train.run(make_context(cfg, "faulty", shards))
-    assert (tmp_path / "failed").read_text() == "15"  # the failure did happen, on worker 1
+    client, uri = baseline[2], f"sqlite:///{baseline[0].run.work_dir}/mlflow.db"
+    run_id = client.create_run(client.get_run(baseline[3]).info.experiment_id).info.run_id
+    result = train.run(make_context(cfg, "faulty", shards, RunLogger(uri, run_id)))
+    assert (tmp_path / "failed").read_text() == "17"  # the failure did happen, on worker 1
     out = result.outputs
     assert out["final_step"] == 30 and out["resumed_from_step"] == 10
+    # Step 15 was logged, then the replacement worker replayed 11..17 from checkpoint 10: once.
+    assert sorted(m.step for m in client.get_metric_history(run_id, "train/loss")) == [5, 10, 15, 20, 25, 30]
     assert_complete_checkpoints(Path(out["storage_path"]) / "faulty")
     # Resuming replays the lost steps exactly: same weights as the uninterrupted run.
     want = torch.load(Path(baseline[1].outputs["checkpoints"][-1]) / "model.pt", weights_only=True)
