@@ -7,6 +7,10 @@ A. loop:  `pipeline.train.loop.Trainer` with one in-process worker (no Ray), rea
 B. bare:  the same micro-batches (same rows, same shapes) collated before timing; the loop only
           runs forward, loss, backward, Adam, lr schedule.
 C. loader alone: plan + split + collate for the same steps, no model.
+D. with --ray (local mode as `make run` trains): the real `train` stage's Ray Train run on a
+   local Ray with every CPU, once with `train.cpus_per_worker = 1` (what a worker got before:
+   1 Ray CPU, so 1 torch thread) and once with 0 (auto: all of the node's CPUs), vs the bare step
+   with all threads. Target: auto / bare >= 1.0.
 
 Prints target tokens/s of A and B and the ratio A/B (target >= 0.9), and the loader's cost per
 step. Synthetic "reverse" data with a WMT-like spread of lengths; fp32 on CPU (or --device cuda).
@@ -122,7 +126,10 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=3, help="alternate loop/bare runs; the best of each is kept")
     p.add_argument("--json", default="", help="also write the figures here")
+    p.add_argument("--ray", action="store_true", help="D: the train stage on a local Ray, 1 CPU vs all CPUs")
     args = p.parse_args()
+    if args.ray:
+        return ray_main(args)
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
     device = torch.device(args.device)
@@ -152,6 +159,42 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"loop": loops, "bare": bares, "ratio": ratio,
                                                "loader": loader, "args": vars(args)}, indent=2))
+
+
+def ray_main(args) -> None:
+    """D: local-mode training through Ray Train, 1 CPU per worker vs auto, against the bare step."""
+    import os
+
+    from pipeline.ray_env import start_local_ray
+    from pipeline.train.stage import fit
+
+    cpus = os.cpu_count() or 1
+    logging.basicConfig(level=logging.WARNING)
+    start_local_ray(num_cpus=cpus, log_to_driver=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        spec, cfg, mc = build(args, work)
+        cfg.train.use_gpu = False
+        cfg.train.log_interval_steps = args.steps // 2  # the second window: warm, and what is compared
+        results = {}
+        for label, n in (("1 CPU per worker (before)", 1), ("auto (all CPUs)", 0)):
+            cfg.train.cpus_per_worker = n
+            spec = {**spec, "cfg": cfg.to_dict()}
+            result = fit(cfg, LoopSpec(**spec), f"bench-{n}", str(work / "ray_train"))
+            results[label] = result.return_value["last_metrics"]["train/tgt_tokens_per_s"]
+        torch.set_num_threads(cpus)
+        steps = micro_batches(spec, cfg, mc, torch.device("cpu"))
+        run_bare(steps[:3], cfg, mc, torch.device("cpu"))
+        bare = max((run_bare(steps[args.steps // 2:], cfg, mc, torch.device("cpu")) for _ in range(args.repeats)),
+                   key=lambda r: r["tgt_tokens_per_s"])["tgt_tokens_per_s"]
+    print(f"local-mode training, {cpus} CPUs: model d_model={args.d_model} layers={args.layers}+{args.layers}, "
+          f"~{args.tokens_per_step} target tokens per step")
+    print(f"{'':34s}{'tgt tokens/s':>14s}{'/ bare':>8s}")
+    for label, tps in results.items():
+        print(f"{'train stage, ' + label:34s}{tps:14.0f}{tps / bare:8.2f}")
+    print(f"{'bare model step, ' + str(cpus) + ' threads':34s}{bare:14.0f}{1.0:8.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"ray": results, "bare": bare, "cpus": cpus}, indent=2))
 
 
 if __name__ == "__main__":
