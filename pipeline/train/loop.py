@@ -207,7 +207,7 @@ class Trainer:
                 t_step = time.perf_counter()
                 group = plan[p.step_in_epoch]
                 nxt = plan[p.step_in_epoch + 1] if p.step_in_epoch + 1 < len(plan) else None
-                self._train_step(model, feeder.take(group, nxt), window)
+                self._train_step(model, feeder.take(group), window, lambda: feeder.ahead(nxt))
                 p.step += 1
                 p.step_in_epoch += 1
                 p.train_time_s = time_base + time.perf_counter() - t_attempt
@@ -249,12 +249,17 @@ class Trainer:
             micro.append(pin(b, self.device, weight))
         return micro, step_tgt, step_src
 
-    def _train_step(self, model: torch.nn.Module, host: tuple[list[MicroBatch], int, int], window: _Window) -> None:
+    def _train_step(self, model: torch.nn.Module, host: tuple[list[MicroBatch], int, int], window: _Window,
+                    start_prefetch: Any = None) -> None:
         p = self.progress
         host_micro, step_tgt, step_src = host
         micro = [upload(mb, self.device) for mb in host_micro]
         torch.manual_seed(step_seed(self.tc.seed, self.rank, p.step + 1))
         model.train()
+        if start_prefetch is not None:
+            # Started here, not before the set-up above: the prefetch thread's Python holds the GIL
+            # in bursts, and the model's kernels (which release it) are what it should overlap.
+            start_prefetch()
         t_model = time.perf_counter()
         loss, nll = accumulate_gradients(model, micro, step_tgt, self.world, self.tc.label_smoothing,
                                          self.mcfg.pad_id, self.autocast, self.scaler)
@@ -418,17 +423,19 @@ class _Feeder:
     def __init__(self, build: Any, prefetch: bool):
         self.build = build
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch else None
-        self.ahead: tuple[np.ndarray, Future] | None = None
+        self.pending: tuple[np.ndarray, Future] | None = None
 
-    def take(self, group: np.ndarray, next_group: np.ndarray | None) -> tuple[list[MicroBatch], int, int]:
-        if self.ahead is not None and self.ahead[0] is group:
-            batches = self.ahead[1].result()
-        else:
-            batches = self.build(group)
-        self.ahead = None
+    def take(self, group: np.ndarray) -> tuple[list[MicroBatch], int, int]:
+        """The step's batches: the prefetched ones if they are this group's, else built now."""
+        ahead, self.pending = self.pending, None
+        if ahead is not None and ahead[0] is group:
+            return ahead[1].result()
+        return self.build(group)
+
+    def ahead(self, next_group: np.ndarray | None) -> None:
+        """Start building the next step's batches in the background (no-op without prefetch)."""
         if self.pool is not None and next_group is not None:
-            self.ahead = (next_group, self.pool.submit(self.build, next_group))
-        return batches
+            self.pending = (next_group, self.pool.submit(self.build, next_group))
 
     def close(self) -> None:
         if self.pool is not None:
