@@ -44,8 +44,7 @@ def _mirror_sums(mirror: str, timeout_s: float) -> dict[str, str]:
 
 def _wmt14(ctx: StageContext) -> tuple[dict[str, Any], int]:
     d = ctx.cfg.data
-    sources.check_langs(d.src_lang, d.tgt_lang)
-    corpora = sources.wmt14_en_de()
+    corpora = sources.wmt14(d.src_lang, d.tgt_lang)
     sums = _mirror_sums(d.mirror, d.download_timeout_s)
     out_dir = storage.absolute(ctx.out_dir)
     outputs: dict[str, Any] = {"train": [], "dev": None, "test": None, "archives": []}

@@ -229,7 +229,8 @@ def extract_members(archive_uri: str, name: str, wanted: dict[str, str]) -> dict
                 if m not in wanted or not member.isfile():
                     continue
                 src = tar.extractfile(member)
-                with storage.open_output(wanted[m]) as dst:
+                # The member's bytes as they are: a ``.gz`` member (Giga) stays one gzip layer deep.
+                with storage.open_output(wanted[m], compression=None) as dst:
                     written[m] = copy_stream(src, dst, Progress(f"{name}:{m}", member.size))
                 log.info("extracted %s from %s (%.1f MB)", m, name, written[m] / 1e6)
                 if len(written) == len(wanted):
