@@ -318,19 +318,21 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file, then ``--section.key=value`` overrides; validated."""
+def load_config(path: str | Path | typing.Sequence[str | Path] | None = None,
+                overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file(s) in order (a later file overrides the keys it names, e.g. a
+    recipe then ``configs/cluster-overlay.toml``), then ``--section.key=value`` overrides; validated."""
     cfg = Config()
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"--config: no such file {path}")
-        with path.open("rb") as f:
+    paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
+    for p in map(Path, paths):
+        if not p.exists():
+            raise ConfigError(f"--config: no such file {p}")
+        with p.open("rb") as f:
             try:
                 data = tomllib.load(f)
             except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"{path}: not valid TOML ({e})") from e
-        _apply(cfg, data, str(path))
+                raise ConfigError(f"{p}: not valid TOML ({e})") from e
+        _apply(cfg, data, str(p))
     if overrides:
         _apply(cfg, parse_overrides(overrides), "the command line")
     _normalize(cfg)

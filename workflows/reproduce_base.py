@@ -30,7 +30,9 @@ log = logging.getLogger("reproduce_base")
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="TOML file (configs/base.toml, configs/local.toml, ...)")
+    p.add_argument("--config", action="append", default=None,
+                   help="TOML file (configs/base.toml, configs/local.toml, ...); repeatable: later files "
+                        "override earlier ones, e.g. --config configs/big.toml --config configs/cluster-overlay.toml")
     p.add_argument("--plan", action="store_true", help="print each stage as cached / to run and why; run nothing")
     p.add_argument("--only", choices=ORDER, help="run just this stage (its inputs must be cached)")
     p.add_argument("--from", dest="from_", choices=ORDER, help="rerun this stage and everything after it")
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             if any(p.action == "run" for p in plans):
                 started_ray = ensure_ray(cfg)
             tracking = Tracking(cfg)
-            with tracking.parent_run({"config_file": str(args.config), "argv": " ".join(sys.argv[1:])}):
+            with tracking.parent_run({"config_file": ", ".join(args.config or []), "argv": " ".join(sys.argv[1:])}):
                 manifests = runner.execute(cfg, plans, tracking)
         report = manifests["score"].outputs.get("report") if "score" in manifests else None
         if report:  # the one table a user looks for: ours next to the paper's
