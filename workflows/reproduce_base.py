@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(runner.format_plan(plans), flush=True)
     if args.plan:
+        from pipeline.train.size import num_parameters
+
+        print(f"model: {num_parameters(cfg) / 1e6:.1f}M parameters at vocab.size {cfg.vocab.size}", flush=True)
         return 0
     if all(p.action != "run" for p in plans):
         log.info("every selected stage is cached: nothing to run")
