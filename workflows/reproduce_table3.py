@@ -149,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.plan:
         for row, cfg in cfgs.items():
-            print(f"row {row} ({PAPER[row][0]}): {num_parameters(cfg) / 1e6:.1f}M parameters "
-                  f"(paper: {_num(PAPER[row][3], '.0f')}M)\n{runner.format_plan(runner.make_plan(cfg))}\n", flush=True)
+            paper = "not given" if PAPER[row][3] is None else f"{PAPER[row][3]}M"
+            print(f"row {row} ({PAPER[row][0]}): {num_parameters(cfg) / 1e6:.1f}M parameters (paper: {paper})\n"
+                  f"{runner.format_plan(runner.make_plan(cfg))}\n", flush=True)
         return 0
     started_ray = False
     try:
