@@ -3,6 +3,9 @@
     python workflows/reproduce_base.py --config configs/local.toml [--section.key=value ...]
     ray job submit --working-dir . -- python workflows/reproduce_base.py --config configs/base.toml
 
+The other rows of Table 2 are one config away: configs/big.toml, configs/enfr-base.toml,
+configs/enfr-big.toml; add ``--config configs/cluster-overlay.toml`` after any of them for the cluster.
+
 Flags: --plan (print what would run and why), --only STAGE, --from STAGE, --to STAGE, --force STAGE.
 """
 
