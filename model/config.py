@@ -17,12 +17,17 @@ class ModelConfig:
     eos_id: int = 3  # ends source and target (source = pieces + [eos])
     d_model: int = 512  # model width d_model (§3, Table 3 base)
     d_ff: int = 2048  # inner width of the position-wise feed-forward net d_ff (§3.3)
-    n_heads: int = 8  # attention heads h, d_k = d_v = d_model / h = 64 (§3.2.2)
+    n_heads: int = 8  # attention heads h (§3.2.2)
+    # Per-head query/key and value widths; None = d_model / h = 64 (§3.2.2). Table 3 (A, B) varies them.
+    d_k: int | None = None
+    d_v: int | None = None
     n_encoder_layers: int = 6  # encoder stack depth N (§3.1)
     n_decoder_layers: int = 6  # decoder stack depth N (§3.1)
     dropout: float = 0.1  # residual + embedding dropout P_drop (§5.4)
     max_positions: int = 1024  # sinusoid table length; must cover the longest source + 50 (§6.1)
     tie_embeddings: bool = True  # one matrix for src emb, tgt emb and pre-softmax proj (§3.4)
+    # "sinusoid" (§3.5) or "learned" positional embeddings (Table 3 row E, after Gehring et al.)
+    positional: str = "sinusoid"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -32,9 +37,15 @@ class ModelConfig:
                      "n_decoder_layers", "max_positions"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(f"ModelConfig.d_model ({self.d_model}) must be divisible by "
-                             f"ModelConfig.n_heads ({self.n_heads})")
+        for name in ("d_k", "d_v"):
+            value = getattr(self, name)
+            if value is None and self.d_model % self.n_heads != 0:
+                raise ValueError(f"ModelConfig.d_model ({self.d_model}) must be divisible by "
+                                 f"ModelConfig.n_heads ({self.n_heads}) unless ModelConfig.{name} is given")
+            if value is not None and value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {value}")
+        if self.positional not in ("sinusoid", "learned"):
+            raise ValueError(f"ModelConfig.positional must be 'sinusoid' or 'learned', got {self.positional!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"ModelConfig.dropout must be in [0, 1), got {self.dropout}")
         for name in ("pad_id", "bos_id", "eos_id"):
@@ -56,6 +67,11 @@ class ModelConfig:
         big = {"d_model": 1024, "d_ff": 4096, "n_heads": 16, "dropout": 0.3}
         return cls.from_dict({"vocab_size": vocab_size, **big, **overrides})
 
+    @property
+    def head_dims(self) -> tuple[int, int]:
+        """(d_k, d_v): the per-head widths, d_model / h where not given (§3.2.2)."""
+        return (self.d_k or self.d_model // self.n_heads, self.d_v or self.d_model // self.n_heads)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of all fields."""
         return dataclasses.asdict(self)
@@ -72,7 +88,9 @@ class ModelConfig:
 
 def _check_type(name: str, value: Any, annotation: Any) -> None:
     """Reject wrong types by field name (bools are not ints; ints are fine for floats)."""
-    expected = {"int": int, "float": (int, float), "bool": bool}[str(annotation)]
+    if str(annotation) == "int | None" and value is None:
+        return
+    expected = {"int": int, "int | None": int, "float": (int, float), "bool": bool, "str": str}[str(annotation)]
     ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
     if not ok:
         raise TypeError(f"ModelConfig.{name} must be {annotation}, got {type(value).__name__} {value!r}")

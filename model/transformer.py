@@ -4,7 +4,11 @@ Sequence conventions (the data pipeline relies on them): source = pieces + [eos]
 decoder input = [bos] + pieces; decoder target = pieces + [eos]; right-padded with pad_id.
 
 Shapes: B sentences, N = B * beam rows while decoding, S source length, T target length,
-d = d_model, h = n_heads, hs = d / h, V = vocab_size, L = decoder cache length.
+d = d_model, h = n_heads, d_k / d_v the per-head widths (d / h unless set, Table 3 A/B),
+hs = max(d_k, d_v) the head width of the attention tensors and caches, V = vocab_size,
+L = decoder cache length. When d_k != d_v, queries and keys (or values) are zero-padded to hs:
+zero columns change no dot product, SDPA is given d_k^-0.5 as its scale (§3.2.1), and the
+padded value columns are dropped before W_O, so the result is the paper's attention exactly.
 Padding is on the right; `pad_id` marks it. Boolean attention masks follow
 `F.scaled_dot_product_attention`: True = this key may be attended to.
 """
@@ -20,6 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .heads import Heads as _Heads
+from .heads import merge_heads as _merge_heads
+from .heads import pad_heads as _pad_heads
 
 
 def sinusoid_table(n_positions: int, d_model: int) -> torch.Tensor:
@@ -34,18 +41,15 @@ def sinusoid_table(n_positions: int, d_model: int) -> torch.Tensor:
 
 def _split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     B, T, d = x.shape
-    return x.view(B, T, n_heads, d // n_heads).transpose(1, 2)  # (B, h, T, hs)
+    return x.view(B, T, n_heads, d // n_heads).transpose(1, 2)  # (B, h, T, d / h)
 
 
-def _merge_heads(x: torch.Tensor) -> torch.Tensor:
-    B, h, T, hs = x.shape
-    return x.transpose(1, 2).reshape(B, T, h * hs)  # (B, T, d)
-
-
-def _init_linear(linear: nn.Linear, n_blocks: int = 1) -> None:
-    """xavier_uniform per stacked (d_out/n_blocks, d_in) block, so a fused Q/K/V projection is
-    initialised like separate ones; bias 0."""
-    for block in linear.weight.chunk(n_blocks, dim=0):
+def _init_linear(linear: nn.Linear, blocks: int | list[int] = 1) -> None:
+    """xavier_uniform per stacked block of output rows (``blocks`` equal ones, or these row
+    counts), so a fused Q/K/V projection is initialised like separate ones; bias 0."""
+    if isinstance(blocks, int):
+        blocks = [linear.weight.shape[0] // blocks] * blocks
+    for block in linear.weight.split(blocks, dim=0):
         nn.init.xavier_uniform_(block)
     nn.init.zeros_(linear.bias)
 
@@ -97,14 +101,17 @@ class SelfAttention(nn.Module):
     have them; it adds 4 * d_model parameters per attention block.
     """
 
-    def __init__(self, d_model: int, n_heads: int):
+    def __init__(self, d_model: int, n_heads: int, d_k: int | None = None, d_v: int | None = None):
         super().__init__()
         self.n_heads = n_heads
-        self.qkv_proj = nn.Linear(d_model, 3 * d_model)  # rows: [W_Q; W_K; W_V], all heads
-        self.out_proj = nn.Linear(d_model, d_model)  # W_O
+        self.heads = _Heads(d_model, n_heads, d_k, d_v)
+        dk, dv = self.heads.d_k, self.heads.d_v
+        self.qkv_proj = nn.Linear(d_model, n_heads * (2 * dk + dv))  # rows: [W_Q; W_K; W_V], all heads
+        self.out_proj = nn.Linear(n_heads * dv, d_model)  # W_O
 
     def reset_parameters(self) -> None:
-        _init_linear(self.qkv_proj, 3)
+        h, dk, dv = self.n_heads, self.heads.d_k, self.heads.d_v
+        _init_linear(self.qkv_proj, [h * dk, h * dk, h * dv])
         _init_linear(self.out_proj)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
@@ -112,62 +119,61 @@ class SelfAttention(nn.Module):
         """x (B, T, d) -> (B, T, d). With `cache` (2, B, h, L, hs), T must be 1: the new K/V are
         written at position `step` and the query attends to positions 0..step (no mask needed).
         With `packing`, x and the result are the (M, d) real positions of a (B, T) batch."""
-        if packing is not None:
-            qkv = packing.unpack(self.qkv_proj(x))  # (B, T, 3d), zeros at pads
-            B, T, d = packing.B, packing.T, x.shape[1]
-        else:
-            B, T, d = x.shape
-            qkv = self.qkv_proj(x)
-        qkv = qkv.view(B, T, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        hd = self.heads
+        qkv = self.qkv_proj(x) if packing is None else packing.unpack(self.qkv_proj(x))  # (B, T, 3hs'), 0 at pads
+        qkv = hd.split(qkv, (hd.d_k, hd.d_k, hd.d_v))
         q, k, v = qkv  # each (B, h, T, hs)
         if cache is not None:
             cache[:, :, :, step : step + 1] = qkv[1:]  # (2, B, h, 1, hs)
             k, v = cache[0, :, :, : step + 1], cache[1, :, :, : step + 1]  # (B, h, step+1, hs)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
-        y = _merge_heads(y)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=hd.scale)
+        y = hd.merge(y)  # (B, T, h * d_v)
         return self.out_proj(y if packing is None else packing.pack(y))
 
 
 class CrossAttention(nn.Module):
     """Encoder-decoder attention (§3.2.3): queries from the decoder, keys/values from memory."""
 
-    def __init__(self, d_model: int, n_heads: int):
+    def __init__(self, d_model: int, n_heads: int, d_k: int | None = None, d_v: int | None = None):
         super().__init__()
         self.n_heads = n_heads
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.kv_proj = nn.Linear(d_model, 2 * d_model)  # rows: [W_K; W_V]
-        self.out_proj = nn.Linear(d_model, d_model)
+        self.heads = _Heads(d_model, n_heads, d_k, d_v)
+        dk, dv = self.heads.d_k, self.heads.d_v
+        self.q_proj = nn.Linear(d_model, n_heads * dk)
+        self.kv_proj = nn.Linear(d_model, n_heads * (dk + dv))  # rows: [W_K; W_V]
+        self.out_proj = nn.Linear(n_heads * dv, d_model)
 
     def reset_parameters(self) -> None:
+        h, dk, dv = self.n_heads, self.heads.d_k, self.heads.d_v
         _init_linear(self.q_proj)
-        _init_linear(self.kv_proj, 2)
+        _init_linear(self.kv_proj, [h * dk, h * dv])
         _init_linear(self.out_proj)
 
     def project_kv(self, memory: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
         """memory (B, S, d), or its (M, d) real positions with `packing` -> (2, B, h, S, hs)."""
-        if packing is not None:
-            B, S, d = packing.B, packing.T, memory.shape[1]
-            kv = packing.unpack(self.kv_proj(memory)).view(B, S, 2, self.n_heads, d // self.n_heads)
-            return kv.permute(2, 0, 3, 1, 4)
-        B, S, d = memory.shape
-        kv = self.kv_proj(memory).view(B, S, 2, self.n_heads, d // self.n_heads)
-        return kv.permute(2, 0, 3, 1, 4)  # (2, B, h, S, hs)
+        kv = self.kv_proj(memory) if packing is None else packing.unpack(self.kv_proj(memory))
+        return self.heads.split(kv, (self.heads.d_k, self.heads.d_v))  # (2, B, h, S, hs)
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, d) -> (B, h, T, hs), padded to hs when d_k < d_v."""
+        return _pad_heads(_split_heads(self.q_proj(x), self.n_heads), self.heads.hs)
 
     def forward(self, x: torch.Tensor, kv: torch.Tensor, attn_mask: torch.Tensor,
                 packing: Packing | None = None) -> torch.Tensor:
         """x (N, T, d) with N = B * beam, sentence-major; kv (2, B, h, S, hs); attn_mask (B, 1, 1, S).
         With `packing` (beam 1), x and the result are the (M, d) real positions of a (B, T) batch."""
+        hd = self.heads
         if packing is not None:
-            q = _split_heads(packing.unpack(self.q_proj(x)), self.n_heads)  # (B, h, T, hs)
-            y = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=attn_mask)
-            return self.out_proj(packing.pack(_merge_heads(y)))
+            q = _pad_heads(_split_heads(packing.unpack(self.q_proj(x)), self.n_heads), hd.hs)  # (B, h, T, hs)
+            y = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=attn_mask, scale=hd.scale)
+            return self.out_proj(packing.pack(hd.merge(y)))
         N, T, d = x.shape
         B = kv.shape[1]
         # The beams of one sentence share its memory, so they are folded into the query axis
         # instead of copying K/V beam times: (N, T, d) -> (B, beam * T, d).
-        q = _split_heads(self.q_proj(x.reshape(B, (N // B) * T, d)), self.n_heads)  # (B, h, beam*T, hs)
-        y = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=attn_mask)
-        return self.out_proj(_merge_heads(y)).view(N, T, d)
+        q = self._queries(x.reshape(B, (N // B) * T, d))  # (B, h, beam*T, hs)
+        y = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=attn_mask, scale=hd.scale)
+        return self.out_proj(hd.merge(y)).view(N, T, d)
 
 
 class FeedForward(nn.Module):
@@ -195,7 +201,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = SelfAttention(cfg.d_model, cfg.n_heads)
+        self.self_attn = SelfAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v)
         self.norm1 = nn.LayerNorm(cfg.d_model)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
         self.norm2 = nn.LayerNorm(cfg.d_model)
@@ -212,9 +218,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = SelfAttention(cfg.d_model, cfg.n_heads)
+        self.self_attn = SelfAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v)
         self.norm1 = nn.LayerNorm(cfg.d_model)
-        self.cross_attn = CrossAttention(cfg.d_model, cfg.n_heads)
+        self.cross_attn = CrossAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v)
         self.norm2 = nn.LayerNorm(cfg.d_model)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
         self.norm3 = nn.LayerNorm(cfg.d_model)
@@ -274,7 +280,7 @@ def _step_params(layer: DecoderLayer) -> tuple:
     sa, ca, ffn = layer.self_attn, layer.cross_attn, layer.ffn
     linears = (sa.qkv_proj, sa.out_proj, ca.q_proj, ca.out_proj, ffn.w1, ffn.w2)
     norms = (layer.norm1, layer.norm2, layer.norm3)
-    return ((sa.n_heads, layer.norm1.eps) + tuple(t for m in linears for t in (m.weight.t().contiguous(), m.bias))
+    return ((sa.n_heads, sa.heads.hs, layer.norm1.eps) + tuple(t for m in linears for t in (m.weight.t().contiguous(), m.bias))
             + tuple(t for m in norms for t in (m.weight, m.bias)))
 
 
@@ -282,19 +288,19 @@ def _decoder_layer_step(params: tuple, x: torch.Tensor, cross_kv: torch.Tensor, 
                         cache: torch.Tensor, step: int) -> torch.Tensor:
     """`DecoderLayer.forward` for one new token per row in eval mode (no dropout), on x (N, d),
     with `_step_params(layer)`; writes this step's K/V at `step` of cache (2, N, h, L, hs)."""
-    (h, eps, w_qkv, b_qkv, w_so, b_so, w_q, b_q, w_co, b_co, w_1, b_1, w_2, b_2,
+    (h, hs, eps, w_qkv, b_qkv, w_so, b_so, w_q, b_q, w_co, b_co, w_1, b_1, w_2, b_2,
      g_1, be_1, g_2, be_2, g_3, be_3) = params
-    N, d = x.shape
-    hs = d // h
+    N, d = x.shape  # here d_k = d_v = hs (init_decoder_state uses the module path otherwise)
     qkv = torch.addmm(b_qkv, x, w_qkv).view(N, 3, h, hs)
     cache[:, :, :, step] = qkv[:, 1:].transpose(0, 1)  # (2, N, h, hs)
     y = F.scaled_dot_product_attention(qkv[:, 0, :, None], cache[0, :, :, : step + 1],
                                        cache[1, :, :, : step + 1])  # (N, h, 1, hs)
-    x = torch.layer_norm(_add(torch.addmm(b_so, y.reshape(N, d), w_so), x), (d,), g_1, be_1, eps)
+    x = torch.layer_norm(_add(torch.addmm(b_so, y.reshape(N, h * hs), w_so), x), (d,), g_1, be_1, eps)
     B = cross_kv.shape[1]  # a sentence's N // B beams are its queries (see CrossAttention)
     q = torch.addmm(b_q, x, w_q).view(B, N // B, h, hs).transpose(1, 2)  # (B, h, beam, hs)
     y = F.scaled_dot_product_attention(q, cross_kv[0], cross_kv[1], attn_mask=cross_mask)
-    x = torch.layer_norm(_add(torch.addmm(b_co, y.transpose(1, 2).reshape(N, d), w_co), x), (d,), g_2, be_2, eps)
+    x = torch.layer_norm(_add(torch.addmm(b_co, y.transpose(1, 2).reshape(N, h * hs), w_co), x), (d,), g_2, be_2,
+                         eps)
     y = torch.addmm(b_2, torch.addmm(b_1, x, w_1).relu_(), w_2)
     return torch.layer_norm(_add(y, x), (d,), g_3, be_3, eps)
 
@@ -314,6 +320,9 @@ class Transformer(nn.Module):
         self.emb_scale = math.sqrt(d)  # §3.4: embeddings are multiplied by sqrt(d_model)
         # Not persistent: it is a pure function of the config, so checkpoints need not carry it.
         self.register_buffer("pos_table", sinusoid_table(cfg.max_positions, d), persistent=False)
+        # Table 3 row E: learned positional embeddings (Gehring et al., cited in §3.5) in place of the
+        # sinusoids; the sinusoid buffer then stays unused (it is not a parameter, not checkpointed).
+        self.pos_embed = nn.Embedding(cfg.max_positions, d) if cfg.positional == "learned" else None
         self.dropout = nn.Dropout(cfg.dropout)  # §5.4: on the sums of embeddings and positions
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
@@ -334,6 +343,8 @@ class Transformer(nn.Module):
                                           self.output_proj.weight)}.values():
             nn.init.normal_(weight, mean=0.0, std=self.cfg.d_model ** -0.5)
             weight[self.cfg.pad_id].zero_()
+        if self.pos_embed is not None:  # fairseq's LearnedPositionalEmbedding init (the paper gives none)
+            nn.init.normal_(self.pos_embed.weight, mean=0.0, std=self.cfg.d_model ** -0.5)
 
     def num_parameters(self) -> int:
         """Trainable parameters, the shared embedding counted once."""
@@ -343,7 +354,8 @@ class Transformer(nn.Module):
         T = ids.shape[1]
         if offset + T > self.cfg.max_positions:
             raise ValueError(f"position {offset + T - 1} >= ModelConfig.max_positions={self.cfg.max_positions}")
-        x = embed(ids).mul_(self.emb_scale).add_(self.pos_table[offset : offset + T])  # (B, T, d)
+        table = self.pos_table if self.pos_embed is None else self.pos_embed.weight
+        x = embed(ids).mul_(self.emb_scale).add_(table[offset : offset + T])  # (B, T, d)
         return self.dropout(x) if self.training else x
 
     def encode(self, src_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -409,14 +421,14 @@ class Transformer(nn.Module):
         if not 0 < max_len <= self.cfg.max_positions:
             raise ValueError(f"max_len={max_len} must be in [1, max_positions={self.cfg.max_positions}]")
         B, S, d = memory.shape
-        h = self.cfg.n_heads
+        h, heads = self.cfg.n_heads, self.decoder_layers[0].self_attn.heads
         packing = Packing(~src_pad_mask)  # K/V only at real source positions (0 at padding, masked)
         memory = packing.pack(memory)  # (Ms, d)
         cross_kv = torch.stack([layer.cross_attn.project_kv(memory, packing) for layer in self.decoder_layers])
-        self_kv = cross_kv.new_empty(len(self.decoder_layers), 2, B * beam_size, h, max_len, d // h)
+        self_kv = cross_kv.new_empty(len(self.decoder_layers), 2, B * beam_size, h, max_len, heads.hs)
         output_weight_t = self.output_proj.weight.t().contiguous()
         layer_weights_t = None
-        if not self.training:
+        if not self.training and heads.uniform:  # the fast step assumes d_k = d_v
             layer_weights_t = [_step_params(layer) for layer in self.decoder_layers]
         return DecoderState(self_kv, cross_kv, key_padding_to_attn_mask(src_pad_mask), output_weight_t, beam_size,
                             layer_weights_t=layer_weights_t)

@@ -95,12 +95,20 @@ class ModelSection:
     n_decoder_layers: int = 6  # Table 3
     dropout: float = 0.1  # §5.4, P_drop
     max_positions: int = 1024  # must cover the longest source + 50 at decode time
+    # Per-head key/value widths (Table 3 rows A, B); 0 = d_model / n_heads (TOML has no None).
+    d_k: int = 0
+    d_v: int = 0
+    positional: str = "sinusoid"  # §3.5; "learned" = Table 3 row E
 
     def validate(self) -> None:
         for k in ("d_model", "d_ff", "n_heads", "n_encoder_layers", "n_decoder_layers", "max_positions"):
             _check(getattr(self, k) > 0, f"model.{k}", "must be > 0")
-        _check(self.d_model % self.n_heads == 0, "model.d_model", "must be divisible by model.n_heads")
+        for k in ("d_k", "d_v"):
+            _check(getattr(self, k) >= 0, f"model.{k}", "must be >= 0 (0 = d_model / n_heads)")
+        _check(self.d_model % self.n_heads == 0 or (self.d_k and self.d_v), "model.d_model",
+               "must be divisible by model.n_heads (or set model.d_k and model.d_v)")
         _check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+        _check(self.positional in ("sinusoid", "learned"), "model.positional", "must be 'sinusoid' or 'learned'")
 
 
 @dataclass
@@ -339,19 +347,21 @@ def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file, then ``--section.key=value`` overrides; validated."""
+def load_config(path: str | Path | typing.Sequence[str | Path] | None = None,
+                overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file(s) in order (a later file overrides the keys it names, e.g. a
+    recipe then ``configs/cluster-overlay.toml``), then ``--section.key=value`` overrides; validated."""
     cfg = Config()
-    if path is not None:
-        path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"--config: no such file {path}")
-        with path.open("rb") as f:
+    paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
+    for p in map(Path, paths):
+        if not p.exists():
+            raise ConfigError(f"--config: no such file {p}")
+        with p.open("rb") as f:
             try:
                 data = tomllib.load(f)
             except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"{path}: not valid TOML ({e})") from e
-        _apply(cfg, data, str(path))
+                raise ConfigError(f"{p}: not valid TOML ({e})") from e
+        _apply(cfg, data, str(p))
     if overrides:
         _apply(cfg, parse_overrides(overrides), "the command line")
     _normalize(cfg)

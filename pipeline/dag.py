@@ -31,7 +31,10 @@ STAGES: tuple[Stage, ...] = (
     Stage("translate", "1", ("eval.beam_size", "eval.alpha", "eval.max_len_a", "eval.max_len_b",
                              "eval.splits", "eval.max_sentences", "eval.backend", "eval.ct2_quantization"),
           ("average", "encode", "vocab", "export"), "pipeline.evaluate.translate:run"),
-    Stage("score", "1", ("eval.splits", "eval.max_sentences"), ("translate", "encode"), "pipeline.evaluate.score:run"),
+    # The report names the pair and test set and picks its Table 2 row from data.* and model.*.
+    Stage("score", "1", ("eval.splits", "eval.max_sentences", "data.source", "data.src_lang", "data.tgt_lang",
+                         "data.dev_src", "data.test_src", "model"), ("translate", "encode"),
+          "pipeline.evaluate.score:run"),
 )
 
 BY_NAME = {s.name: s for s in STAGES}

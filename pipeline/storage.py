@@ -97,12 +97,14 @@ def open_input(uri: str, compression: str | None = "detect") -> BinaryIO:
     return fs.open_input_stream(path, compression=compression)
 
 
-def open_output(uri: str) -> BinaryIO:
+def open_output(uri: str, compression: str | None = "detect") -> BinaryIO:
+    """A write stream. Like ``open_input``, pyarrow's ``"detect"`` gzips ``*.gz`` (by extension);
+    pass ``compression=None`` to write bytes that are already compressed (an archive's ``.gz`` member)."""
     fs, path = resolve(uri)
     parent = path.rsplit("/", 1)[0]
     if parent:
         fs.create_dir(parent, recursive=True)
-    return fs.open_output_stream(path)
+    return fs.open_output_stream(path, compression=compression)
 
 
 def read_bytes(uri: str) -> bytes:

@@ -3,6 +3,9 @@
     python workflows/reproduce_base.py --config configs/local.toml [--section.key=value ...]
     ray job submit --working-dir . -- python workflows/reproduce_base.py --config configs/base.toml
 
+The other rows of Table 2 are one config away: configs/big.toml, configs/enfr-base.toml,
+configs/enfr-big.toml; add ``--config configs/cluster-overlay.toml`` after any of them for the cluster.
+
 Flags: --plan (print what would run and why), --only STAGE, --from STAGE, --to STAGE, --force STAGE.
 """
 
@@ -30,7 +33,9 @@ log = logging.getLogger("reproduce_base")
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="TOML file (configs/base.toml, configs/local.toml, ...)")
+    p.add_argument("--config", action="append", default=None,
+                   help="TOML file (configs/base.toml, configs/local.toml, ...); repeatable: later files "
+                        "override earlier ones, e.g. --config configs/big.toml --config configs/cluster-overlay.toml")
     p.add_argument("--plan", action="store_true", help="print each stage as cached / to run and why; run nothing")
     p.add_argument("--only", choices=ORDER, help="run just this stage (its inputs must be cached)")
     p.add_argument("--from", dest="from_", choices=ORDER, help="rerun this stage and everything after it")
@@ -82,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(runner.format_plan(plans), flush=True)
     if args.plan:
+        from pipeline.train.size import num_parameters
+
+        print(f"model: {num_parameters(cfg) / 1e6:.1f}M parameters at vocab.size {cfg.vocab.size}", flush=True)
         return 0
     if all(p.action != "run" for p in plans):
         log.info("every selected stage is cached: nothing to run")
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 started_ray = ensure_ray(cfg)
             tracking = Tracking(cfg)
             tracking.end_dead_runs()  # under the lock: RUNNING runs of this work dir are a dead driver's
-            with tracking.parent_run({"config_file": str(args.config), "argv": " ".join(sys.argv[1:])}):
+            with tracking.parent_run({"config_file": ", ".join(args.config or []), "argv": " ".join(sys.argv[1:])}):
                 manifests = runner.execute(cfg, plans, tracking)
         report = manifests["score"].outputs.get("report") if "score" in manifests else None
         if report:  # the one table a user looks for: ours next to the paper's

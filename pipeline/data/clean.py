@@ -8,7 +8,7 @@ order (the first that fires wins):
 - ``empty``: a side is empty after trimming whitespace;
 - ``too_long``: a side has more than ``max_words`` whitespace-separated words;
 - ``length_ratio``: max(words) / min(words) > ``max_length_ratio``;
-- ``duplicate``: the exact (src, tgt) pair was kept before in the split (``Deduper``, train only).
+- ``duplicate``: the exact (src, tgt) pair was kept before in the split (``pipeline.data.dedup``, train only).
 
 The test split is never filtered and never changed: the same rules only *flag* its lines
 (counted, logged), and invalid UTF-8 there is an error, since dropping or replacing a reference
@@ -17,6 +17,7 @@ line would silently change the benchmark.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import tempfile
 from dataclasses import dataclass, field
@@ -40,10 +41,17 @@ READ_BLOCK_BYTES = 1 << 20
 TEXT_SCHEMA = pa.schema([("corpus", pa.string()), ("line", pa.int64()), ("src", pa.string()), ("tgt", pa.string())])
 
 
-def byte_lines(uri: str) -> Iterator[bytes]:
-    """The lines of a file as bytes, without ``\\n`` (or ``\\r\\n``); streaming, any size."""
+def byte_lines(uri: str, offset: int = 0) -> Iterator[bytes]:
+    """The lines of a file as bytes, without ``\\n`` (or ``\\r\\n``); streaming, any size.
+    ``offset`` > 0 starts at that byte (a line start, from ``segment_offsets``; plain files only)."""
     rest = b""
-    with storage.open_input(uri) as f:
+    if offset:
+        fs, path = storage.resolve(uri)
+        opened = fs.open_input_file(path)
+        opened.seek(offset)
+    else:
+        opened = storage.open_input(uri)
+    with opened as f:
         for block in iter(lambda: f.read(READ_BLOCK_BYTES), b""):
             lines = (rest + block).split(b"\n")
             rest = lines.pop()
@@ -120,14 +128,69 @@ def _decode(lines: list[bytes], uri: str, first_line: int, strict: bool, report:
     return pa.array(out, type=pa.string())
 
 
+@dataclass(frozen=True)
+class Segment:
+    """Lines ``first_line .. first_line + num_lines - 1`` (1-based) of a file pair, and where
+    they start in each file (bytes): the unit one ``prepare`` task cleans."""
+
+    first_line: int
+    num_lines: int
+    src_offset: int
+    tgt_offset: int
+
+
+def _line_starts(uri: str, every: int, limit: int = 0) -> tuple[list[int], int]:
+    """Byte offsets of lines 1, 1 + every, 1 + 2 * every, ... (those <= ``limit``, 0 = all) and
+    the file's line count, as ``byte_lines`` counts (a last line without ``\\n`` counts). One pass;
+    a block's newlines are counted in C and only a segment's last newline is located."""
+    starts, n, pos, last = [0], 0, 0, b"\n"
+    with storage.open_input(uri, compression=None) as f:
+        for block in iter(lambda: f.read(READ_BLOCK_BYTES), b""):
+            scan, remaining = 0, block.count(b"\n")
+            while True:
+                boundary = (n // every + 1) * every  # the line whose end starts the next segment
+                if (limit and boundary >= limit) or n + remaining < boundary:
+                    n += remaining
+                    break
+                at = scan - 1
+                for _ in range(boundary - n):
+                    at = block.find(b"\n", at + 1)
+                starts.append(pos + at + 1)
+                remaining -= boundary - n
+                n, scan = boundary, at + 1
+            pos += len(block)
+            last = block[-1:]
+    return starts, n + int(pos > 0 and last != b"\n")
+
+
+def segment_offsets(src_uri: str, tgt_uri: str, segment_lines: int, max_lines: int = 0) -> tuple[list[Segment], int]:
+    """Cut an aligned file pair into segments of ``segment_lines`` lines (the last shorter), covering
+    the first ``max_lines`` lines (0 = all); also returns the line count. Both files are read to
+    the end, so misaligned files raise ``DataError`` here as in ``read_pair_chunks``. The cut
+    depends only on the files and ``segment_lines``: the same on any machine or cluster size."""
+    src_starts, n_src = _line_starts(src_uri, segment_lines, max_lines)
+    tgt_starts, n_tgt = _line_starts(tgt_uri, segment_lines, max_lines)
+    if n_src != n_tgt:
+        raise _misaligned(src_uri, n_src, tgt_uri, n_tgt)
+    covered = min(n_src, max_lines) if max_lines else n_src
+    segments = [Segment(i * segment_lines + 1, min(segment_lines, covered - i * segment_lines), s, t)
+                for i, (s, t) in enumerate(zip(src_starts, tgt_starts)) if covered > i * segment_lines]
+    return segments, n_src
+
+
 def read_pair_chunks(corpus: str, src_uri: str, tgt_uri: str, chunk_lines: int, max_lines: int = 0,
-                     strict_utf8: bool = False, report: ReadReport | None = None) -> Iterator[pa.Table]:
+                     strict_utf8: bool = False, report: ReadReport | None = None,
+                     segment: Segment | None = None) -> Iterator[pa.Table]:
     """Aligned (src, tgt) lines as tables of ``TEXT_SCHEMA``, ``chunk_lines`` rows at a time.
 
     ``max_lines`` > 0 keeps only the first lines, but both files are still read to the end so
     that misaligned files are always caught: different line counts raise ``DataError`` naming
-    both files and both counts.
+    both files and both counts. With ``segment`` only its lines are read (``segment_offsets``
+    checked the alignment already) and ``line`` numbers continue from ``segment.first_line``.
     """
+    if segment is not None:
+        yield from _segment_chunks(corpus, src_uri, tgt_uri, chunk_lines, segment, strict_utf8, report)
+        return
     report = report if report is not None else ReadReport()
     src_it, tgt_it = file_lines(src_uri), file_lines(tgt_uri)
     n = 0
@@ -163,6 +226,28 @@ def read_pair_chunks(corpus: str, src_uri: str, tgt_uri: str, chunk_lines: int, 
     if src_buf:
         yield flush()
     report.num_lines = n
+
+
+def _segment_chunks(corpus: str, src_uri: str, tgt_uri: str, chunk_lines: int, seg: Segment, strict_utf8: bool,
+                    report: ReadReport | None) -> Iterator[pa.Table]:
+    report = report if report is not None else ReadReport()
+    src_it = itertools.islice(byte_lines(src_uri, seg.src_offset), seg.num_lines)
+    tgt_it = itertools.islice(byte_lines(tgt_uri, seg.tgt_offset), seg.num_lines)
+    first = seg.first_line
+    while True:
+        src_buf, tgt_buf = list(itertools.islice(src_it, chunk_lines)), list(itertools.islice(tgt_it, chunk_lines))
+        if len(src_buf) != len(tgt_buf):  # the files changed since segment_offsets read them
+            raise _misaligned(src_uri, first + len(src_buf) - 1, tgt_uri, first + len(tgt_buf) - 1)
+        if not src_buf:
+            break
+        yield pa.table({
+            "corpus": pa.array([corpus] * len(src_buf), pa.string()),
+            "line": pa.array(np.arange(first, first + len(src_buf), dtype=np.int64)),
+            "src": _decode(src_buf, src_uri, first, strict_utf8, report),
+            "tgt": _decode(tgt_buf, tgt_uri, first, strict_utf8, report),
+        }, schema=TEXT_SCHEMA)
+        first += len(src_buf)
+    report.num_lines = seg.num_lines
 
 
 def _misaligned(src_uri: str, n_src: int, tgt_uri: str, n_tgt: int) -> DataError:
@@ -213,27 +298,3 @@ def pair_hashes(table: pa.Table) -> np.ndarray:
 
     df = table.select(["src", "tgt"]).to_pandas()
     return pd.util.hash_pandas_object(df, index=False).to_numpy(dtype=np.uint64)
-
-
-class Deduper:
-    """Remembers the pairs kept so far as sorted 64-bit hashes: 8 bytes per unique pair.
-
-    Memory grows with the number of *unique kept* pairs only: ~36 MB for WMT14's 4.5M (72 MB
-    while merging a chunk), not with the text. The chance of a false duplicate (two pairs with
-    the same hash) is ~n^2 / 2^65, about 5e-7 for 4.5M pairs.
-    """
-
-    def __init__(self) -> None:
-        self.seen = np.empty(0, dtype=np.uint64)
-
-    def keep_mask(self, hashes: np.ndarray) -> np.ndarray:
-        """True for the first occurrence of a pair not seen before; remembers the kept ones."""
-        _, first = np.unique(hashes, return_index=True)
-        keep = np.zeros(len(hashes), dtype=bool)
-        keep[first] = True
-        if len(self.seen):
-            pos = np.searchsorted(self.seen, hashes)
-            pos[pos == len(self.seen)] = 0
-            keep &= self.seen[pos] != hashes
-        self.seen = np.union1d(self.seen, hashes[keep])
-        return keep

@@ -44,8 +44,7 @@ def _mirror_sums(mirror: str, timeout_s: float) -> dict[str, str]:
 
 def _wmt14(ctx: StageContext) -> tuple[dict[str, Any], int]:
     d = ctx.cfg.data
-    sources.check_langs(d.src_lang, d.tgt_lang)
-    corpora = sources.wmt14_en_de()
+    corpora = sources.wmt14(d.src_lang, d.tgt_lang)
     sums = _mirror_sums(d.mirror, d.download_timeout_s)
     out_dir = storage.absolute(ctx.out_dir)
     outputs: dict[str, Any] = {"train": [], "dev": None, "test": None, "archives": []}
@@ -60,7 +59,9 @@ def _wmt14(ctx: StageContext) -> tuple[dict[str, Any], int]:
         local, got_sha, size = fetch(uri, ctx.cfg.run.work_dir, d.download_timeout_s, sha256=sha, md5=md5)
         num_bytes += size
         users = [c for c in corpora if c.archive.url == archive.url]
-        wanted = {c.members[lang]: storage.join(out_dir, c.split, c.name, c.members[lang].rsplit("/", 1)[-1])
+        # Gzip members (Giga) are stored decompressed: plain text can be cut into parallel segments.
+        wanted = {c.members[lang]: storage.join(out_dir, c.split, c.name, c.members[lang].rsplit("/", 1)[-1]
+                                                .removesuffix(".gz"))
                   for c in users for lang in (d.src_lang, d.tgt_lang)}
         extract_members(local, archive.relpath, wanted)
         outputs["archives"].append({"url": uri, "sha256": got_sha, "bytes": size})

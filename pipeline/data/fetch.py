@@ -215,6 +215,7 @@ def _member_name(name: str) -> str:
 
 def extract_members(archive_uri: str, name: str, wanted: dict[str, str]) -> dict[str, int]:
     """Stream the tar(.gz) at ``archive_uri`` once and copy the members ``wanted`` (member -> uri).
+    A ``.gz`` member wanted under a name without ``.gz`` is decompressed on the way.
 
     Returns bytes written per member. Raises ``DataError`` naming the archive when it is not a
     tar archive or lacks a wanted member.
@@ -229,7 +230,10 @@ def extract_members(archive_uri: str, name: str, wanted: dict[str, str]) -> dict
                 if m not in wanted or not member.isfile():
                     continue
                 src = tar.extractfile(member)
-                with storage.open_output(wanted[m]) as dst:
+                if m.endswith(".gz") and not wanted[m].endswith(".gz"):
+                    src = gzip.GzipFile(fileobj=src)  # Giga's gzip members, wanted as plain (seekable) text
+                # Otherwise the member's bytes as they are (no second gzip layer for a ``.gz`` name).
+                with storage.open_output(wanted[m], compression=None) as dst:
                     written[m] = copy_stream(src, dst, Progress(f"{name}:{m}", member.size))
                 log.info("extracted %s from %s (%.1f MB)", m, name, written[m] / 1e6)
                 if len(written) == len(wanted):

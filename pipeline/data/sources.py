@@ -1,8 +1,10 @@
-"""The WMT14 EN-DE data as the paper used it (§5.1): where each file is, inside which archive.
+"""The WMT14 data as the paper used it (§5.1): where each file is, inside which archive.
 
-Training: Europarl v7 + CommonCrawl + News Commentary v9 (~4.5M pairs); dev: newstest2013;
-test: newstest2014, the *full* 3003-sentence version. The test set's URL, md5 and member paths
-come from sacrebleu's own dataset registry (``wmt14/full``), so both agree on what "the test set" is.
+EN-DE training: Europarl v7 + CommonCrawl + News Commentary v9 (~4.5M pairs). EN-FR training
+(~36M pairs after the paper's filtering, 40.8M raw): the same three archives' fr-en members + the UN
+corpus + the 10^9 French-English (Giga) corpus. Dev: newstest2013; test: newstest2014, the *full*
+3003-sentence version. The test set's URL, md5 and member paths come from sacrebleu's own dataset
+registry (``wmt14/full``), so both agree on what "the test set" is.
 
 ``data.mirror`` (a URL, an ``s3://`` URI or a local folder with the same relative paths
 ``wmt13/...``, ``wmt14/...``) replaces ``http(s)://statmt.org/`` for air-gapped clusters and tests.
@@ -14,7 +16,8 @@ import re
 from dataclasses import dataclass
 
 STATMT = re.compile(r"^https?://(www\.)?statmt\.org/")
-LANGS = ("en", "de")
+# The WMT14 language pairs this registry knows, each as {"en", other}; either direction works.
+PAIRS = ({"en", "de"}, {"en", "fr"})
 
 
 @dataclass(frozen=True)
@@ -36,26 +39,39 @@ class Corpus:
     members: dict[str, str]  # language -> member path inside the archive
 
 
-def _sacrebleu_test() -> tuple[Archive, dict[str, str]]:
-    """newstest2014 (full) from sacrebleu's registry: URL, md5 and the en-de SGML members."""
+def _sacrebleu_test(langpair: str = "en-de") -> tuple[Archive, dict[str, str]]:
+    """newstest2014 (full) from sacrebleu's registry: URL, md5 and the SGML members of ``langpair``
+    (``src-tgt``), as {language: member}."""
     from sacrebleu.dataset import DATASETS
 
     ds = DATASETS["wmt14/full"]
-    src_en, ref_de = ds.langpairs["en-de"]
-    # The en-de pair of files serves both directions: ref.de.sgm / src.en.sgm carry the same
-    # text as src.de.sgm / ref.en.sgm (3003/3003 segments, shared/data/PROVENANCE.md).
-    return Archive(ds.data[0], ds.md5[0] if ds.md5 else None), {"en": src_en, "de": ref_de}
+    src, tgt = langpair.split("-")
+    src_file, ref_file = ds.langpairs[langpair]
+    return Archive(ds.data[0], ds.md5[0] if ds.md5 else None), {src: src_file, tgt: ref_file}
 
 
 _EUROPARL = Archive("http://statmt.org/wmt13/training-parallel-europarl-v7.tgz")
 _COMMONCRAWL = Archive("http://statmt.org/wmt13/training-parallel-commoncrawl.tgz")
 _NEWS_COMMENTARY = Archive("http://statmt.org/wmt14/training-parallel-nc-v9.tgz")
 _DEV = Archive("http://statmt.org/wmt14/dev.tgz")
+_UN = Archive("http://statmt.org/wmt13/training-parallel-un.tgz")
+# A plain (uncompressed) tar of two gzip members; ``prepare`` reads ``*.gz`` decompressed.
+_GIGA = Archive("http://statmt.org/wmt10/training-giga-fren.tar")
+
+
+def wmt14(src_lang: str, tgt_lang: str) -> list[Corpus]:
+    """The registry of the pair ``{src_lang, tgt_lang}`` (either direction); raises on others."""
+    check_langs(src_lang, tgt_lang)
+    if {src_lang, tgt_lang} == {"en", "de"}:
+        return wmt14_en_de()
+    return wmt14_en_fr(f"{src_lang}-{tgt_lang}")
 
 
 def wmt14_en_de() -> list[Corpus]:
     """Every file of WMT14 EN-DE, training corpora first, in a fixed order (it fixes ``idx``)."""
-    test_archive, test_members = _sacrebleu_test()
+    # The en-de pair of files serves both directions: ref.de.sgm / src.en.sgm carry the same
+    # text as src.de.sgm / ref.en.sgm (3003/3003 segments, shared/data/PROVENANCE.md).
+    test_archive, test_members = _sacrebleu_test("en-de")
     return [
         Corpus("europarl_v7", "train", _EUROPARL,
                {"en": "training/europarl-v7.de-en.en", "de": "training/europarl-v7.de-en.de"}),
@@ -68,9 +84,40 @@ def wmt14_en_de() -> list[Corpus]:
     ]
 
 
+def wmt14_en_fr(langpair: str = "en-fr") -> list[Corpus]:
+    """Every file of WMT14 EN-FR (§5.1: "the significantly larger WMT 2014 English-French dataset
+    consisting of 36M sentences"), training corpora first, in a fixed order (it fixes ``idx``).
+
+    The archives and members are those of fairseq's prepare-wmt14en2fr.sh, tensor2tensor's
+    ``_ENFR_TRAIN_LARGE_DATA`` and TFDS's wmt14 (shared/data/PROVENANCE-enfr.md). The test set
+    follows sacrebleu's ``langpair`` files (en-fr: src.en + ref.fr; fr-en: src.fr + ref.en), since
+    newstest2014 fr-en has one source and one reference per direction.
+    """
+    test_archive, test_members = _sacrebleu_test(langpair)
+    return [
+        Corpus("europarl_v7", "train", _EUROPARL,
+               {"en": "training/europarl-v7.fr-en.en", "fr": "training/europarl-v7.fr-en.fr"}),
+        Corpus("commoncrawl", "train", _COMMONCRAWL,
+               {"en": "commoncrawl.fr-en.en", "fr": "commoncrawl.fr-en.fr"}),
+        Corpus("un", "train", _UN, {"en": "un/undoc.2000.fr-en.en", "fr": "un/undoc.2000.fr-en.fr"}),
+        Corpus("news_commentary_v9", "train", _NEWS_COMMENTARY,
+               {"en": "training/news-commentary-v9.fr-en.en", "fr": "training/news-commentary-v9.fr-en.fr"}),
+        Corpus("giga_fren", "train", _GIGA,
+               {"en": "giga-fren.release2.fixed.en.gz", "fr": "giga-fren.release2.fixed.fr.gz"}),
+        Corpus("newstest2013", "dev", _DEV, {"en": "dev/newstest2013.en", "fr": "dev/newstest2013.fr"}),
+        Corpus("newstest2014", "test", test_archive, test_members),
+    ]
+
+
 def check_langs(src_lang: str, tgt_lang: str) -> None:
-    if {src_lang, tgt_lang} != set(LANGS):
-        raise ValueError(f"data.src_lang/data.tgt_lang: WMT14 here is en-de or de-en, got {src_lang}-{tgt_lang}")
+    if {src_lang, tgt_lang} not in PAIRS or src_lang == tgt_lang:
+        raise ValueError(f"data.src_lang/data.tgt_lang: WMT14 here is en-de, de-en, en-fr or fr-en, "
+                         f"got {src_lang}-{tgt_lang}")
+
+
+def pair_name(src_lang: str, tgt_lang: str) -> str:
+    """``EN-DE``: how reports name a language pair."""
+    return f"{src_lang.upper()}-{tgt_lang.upper()}"
 
 
 def archives(corpora: list[Corpus]) -> list[Archive]:

@@ -1,4 +1,4 @@
-"""Scoring functions for detokenized German hypotheses against raw references (pure, no Ray).
+"""Scoring functions for detokenized hypotheses against raw references (pure, no Ray).
 
 Two BLEU numbers, never confused with each other:
 
@@ -23,6 +23,20 @@ Two BLEU numbers, never confused with each other:
   * The ATAT regex is applied to both sides with Perl's non-overlapping left-to-right
     semantics, which Python's ``re.sub`` shares: ``a-b-c`` -> ``a ##AT##-##AT## b-c`` (the
     second hyphen's left neighbour was already consumed). Faithful, quirk included.
+    ``perl -ple`` (no ``-C``, no ``use utf8``) reads *bytes*: ``\\S`` is one byte and only ASCII
+    whitespace is ``\\s``. So the regex runs on the UTF-8 bytes here too: ``vis-à-vis`` splits at
+    both hyphens (``à`` is two bytes, so the second hyphen's left neighbour is still free), and a
+    no-break space (C2 A0) next to a hyphen counts as a non-space, exactly as in perl.
+  * Which script: the get_ende_bleu.sh of the paper's time (tensor2tensor e1bde977, 2017-11-08;
+    the same steps since 75f398d8, 2017-06-29): tokenize, ATAT, multi-bleu. The
+    ``replace-unicode-punctuation.perl -l de`` step was added later (fc9335c0, 2018-04-05) and
+    lowers scores by ~0.5-0.8 BLEU; it is NOT applied here.
+
+English-French (Table 2: 38.1 base, 41.8 big): tensor2tensor published no EN-FR scoring script
+(get_ende_bleu.sh is German-only; its ``t2t-bleu`` uses mteval's international tokenization, not
+the paper's tokenized BLEU). ``tokenized_bleu(..., lang="fr", compound_split=False)`` is the
+usual tokenized BLEU of that era: ``tokenizer.perl -l fr`` + multi-bleu.perl, no ATAT split
+(the ATAT convention, from Stanford's NMT and get_ende_bleu.sh, is for German compounds).
   * multi-bleu.perl's arithmetic equals sacreBLEU's on pre-tokenized text with
     ``tokenize="none"`` (whitespace split), ``smooth_method="none"`` (a zero n-gram
     precision gives BLEU 0, as multi-bleu's ``my_log(0) = -9999999999`` does), case-sensitive,
@@ -39,11 +53,13 @@ from typing import Sequence
 
 from sacrebleu.metrics import BLEU, CHRF
 
-# tensor2tensor/utils/get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'
-_ATAT = re.compile(r"(\S)-(\S)")
+# tensor2tensor/utils/get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g', on bytes
+# as perl reads them (Python's bytes \s is perl's ASCII \s: space, \t, \n, \v, \f, \r).
+_ATAT = re.compile(rb"(\S)-(\S)")
 
-# The paper's numbers (Table 2, newstest2014 EN-DE, tokenized BLEU with compound splitting).
-PAPER_BLEU = {"base": 27.3, "big": 28.4}
+# The paper's numbers (Table 2, newstest2014, tokenized BLEU; EN-DE with compound splitting).
+PAPER_TABLE2 = {"en-de": {"base": 27.3, "big": 28.4}, "en-fr": {"base": 38.1, "big": 41.8}}
+PAPER_BLEU = PAPER_TABLE2["en-de"]
 
 
 @dataclass
@@ -74,21 +90,28 @@ def chrf(hyps: Sequence[str], refs: Sequence[str]) -> Score:
     return Score(result.score, str(metric.get_signature()), str(result))
 
 
-@functools.lru_cache(maxsize=1)
-def _moses_de():
+@functools.lru_cache(maxsize=4)
+def _moses(lang: str):
     from sacremoses import MosesTokenizer
 
-    return MosesTokenizer(lang="de")
+    return MosesTokenizer(lang=lang)
+
+
+def moses_tokenize(line: str, lang: str) -> str:
+    """``tokenizer.perl -l LANG`` (escaping on, as in the script): a space-joined token string."""
+    return _moses(lang).tokenize(line, escape=True, return_str=True)
 
 
 def moses_tokenize_de(line: str) -> str:
-    """``tokenizer.perl -l de`` (escaping on, as in the script): a space-joined token string."""
-    return _moses_de().tokenize(line, escape=True, return_str=True)
+    """``tokenizer.perl -l de``."""
+    return moses_tokenize(line, "de")
 
 
 def atat_split(line: str) -> str:
-    """get_ende_bleu.sh's compound split: ``rich-text`` -> ``rich ##AT##-##AT## text``."""
-    return _ATAT.sub(r"\1 ##AT##-##AT## \2", line)
+    """get_ende_bleu.sh's compound split: ``rich-text`` -> ``rich ##AT##-##AT## text``, on UTF-8
+    bytes as ``perl -ple`` does. A hyphen is ASCII, so the bytes on either side of each inserted
+    `` ##AT##-##AT## `` are character boundaries: the result is valid UTF-8."""
+    return _ATAT.sub(rb"\1 ##AT##-##AT## \2", line.encode("utf-8")).decode("utf-8")
 
 
 def multi_bleu(hyps_tok: Sequence[str], refs_tok: Sequence[str]) -> Score:
@@ -99,12 +122,27 @@ def multi_bleu(hyps_tok: Sequence[str], refs_tok: Sequence[str]) -> Score:
     return Score(result.score, "multi-bleu.perl equivalent: " + str(metric.get_signature()), str(result))
 
 
-def tokenized_bleu_cs(hyps: Sequence[str], refs: Sequence[str]) -> Score:
-    """The paper's BLEU: Moses-tokenized (de), ATAT compound split, multi-bleu.perl. NOT sacreBLEU."""
+def tokenized_bleu(hyps: Sequence[str], refs: Sequence[str], lang: str, compound_split: bool) -> Score:
+    """Tokenized BLEU: Moses-tokenized (``lang``), optionally ATAT compound split, multi-bleu.perl."""
     _check(hyps, refs)
-    hyps_t = [atat_split(moses_tokenize_de(h)) for h in hyps]
-    refs_t = [atat_split(moses_tokenize_de(r)) for r in refs]
-    result = multi_bleu(hyps_t, refs_t)
-    sig = ("bleu_tok_cs: sacremoses MosesTokenizer(lang=de, escape=True) + "
-           "ATAT s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g on hyp and ref + " + result.signature)
+
+    def prep(line: str) -> str:
+        tok = moses_tokenize(line, lang)
+        return atat_split(tok) if compound_split else tok
+
+    result = multi_bleu([prep(h) for h in hyps], [prep(r) for r in refs])
+    name = "bleu_tok_cs" if compound_split else "bleu_tok"
+    atat = "ATAT s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g on UTF-8 bytes, hyp and ref + " if compound_split else ""
+    sig = f"{name}: sacremoses MosesTokenizer(lang={lang}, escape=True) + {atat}{result.signature}"
     return Score(result.score, sig, result.detail)
+
+
+def tokenized_bleu_cs(hyps: Sequence[str], refs: Sequence[str]) -> Score:
+    """The paper's EN-DE BLEU: Moses-tokenized (de), ATAT compound split, multi-bleu.perl. NOT sacreBLEU."""
+    return tokenized_bleu(hyps, refs, "de", compound_split=True)
+
+
+def paper_metric(tgt_lang: str) -> str:
+    """The key of the tokenized BLEU comparable with the paper for a target language:
+    ``bleu_tok_cs`` (compound split, get_ende_bleu.sh) for German, ``bleu_tok`` otherwise."""
+    return "bleu_tok_cs" if tgt_lang == "de" else "bleu_tok"

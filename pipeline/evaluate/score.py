@@ -1,12 +1,15 @@
 """``score``: BLEU and chrF of the detokenized hypotheses against the raw references.
 
 Per split (``eval.splits``): sacreBLEU (``bleu_sacre``, with its signature: the comparable
-number), the paper's tokenized BLEU with compound splitting (``bleu_tok_cs``, the number to
-set beside 27.3; see ``pipeline.evaluate.bleu`` for how it reproduces t2t's get_ende_bleu.sh) and chrF.
+number), the paper's tokenized BLEU (German: with compound splitting, ``bleu_tok_cs``, the number
+to set beside 27.3, t2t's get_ende_bleu.sh; other targets: ``bleu_tok``, Moses + multi-bleu, the
+EN-FR number beside 38.1; see ``pipeline.evaluate.bleu``) and chrF.
 References are the ``tgt`` column of the encoded split (the raw text, never filtered for the
 test set), in ``idx`` order, the order ``translate`` wrote its lines in.
 
-Writes ``scores.json`` and ``report.md`` (ours beside the paper's row) and logs both.
+Writes ``scores.json`` and ``report.md`` (ours beside the paper's row) and logs both. The report
+names the language pair and test set from the config; only WMT14 EN-DE and EN-FR runs get the
+paper's Table 2 rows, and a run whose model is base or big is marked against its own row.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import logging
 from typing import Any
 
 from pipeline import storage
+from pipeline.config import Config
+from pipeline.data.sources import pair_name
 from pipeline.evaluate import bleu
 from pipeline.stage import StageContext, StageResult
 from pipeline.evaluate.translate import read_split
@@ -23,12 +28,34 @@ from pipeline.evaluate.translate import read_split
 log = logging.getLogger(__name__)
 
 
-def score_split(hyps: list[str], refs: list[str]) -> dict[str, Any]:
-    """All three metrics with their signatures and details (pure)."""
-    sacre, tok, cf = bleu.sacre_bleu(hyps, refs), bleu.tokenized_bleu_cs(hyps, refs), bleu.chrf(hyps, refs)
+# Table 2's model rows, by the sizes that define them (Table 3: base; big, §6.1).
+_SIZES = {"base": (512, 2048, 8, 6, 6), "big": (1024, 4096, 16, 6, 6)}
+_PAPER_COMPUTE = {"base": "12 h on 8 P100 = 96 GPU-hours", "big": "3.5 days on 8 P100 = 672 GPU-hours"}  # §5.2
+
+
+def score_split(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict[str, Any]:
+    """All three metrics with their signatures and details (pure). The tokenized BLEU is keyed
+    ``bleu_tok_cs`` (German, compound split) or ``bleu_tok`` (other targets)."""
+    key = bleu.paper_metric(tgt_lang)
+    sacre, cf = bleu.sacre_bleu(hyps, refs), bleu.chrf(hyps, refs)
+    tok = bleu.tokenized_bleu(hyps, refs, tgt_lang, compound_split=key == "bleu_tok_cs")
     return {"bleu_sacre": sacre.score, "sacrebleu_signature": sacre.signature, "bleu_sacre_detail": sacre.detail,
-            "bleu_tok_cs": tok.score, "bleu_tok_cs_signature": tok.signature, "bleu_tok_cs_detail": tok.detail,
+            key: tok.score, f"{key}_signature": tok.signature, f"{key}_detail": tok.detail,
             "chrf": cf.score, "chrf_signature": cf.signature, "num_sentences": len(hyps)}
+
+
+def setup_of(cfg: Config) -> dict[str, Any]:
+    """What the report says the run is: language pair, test/dev set names, its Table 2 rows."""
+    d, m = cfg.data, cfg.model
+    wmt = d.source == "wmt14"
+    pair = f"{d.src_lang}-{d.tgt_lang}"
+    size = next((name for name, dims in _SIZES.items() if dims == (
+        m.d_model, m.d_ff, m.n_heads, m.n_encoder_layers, m.n_decoder_layers)), None)
+    return {"pair": pair_name(d.src_lang, d.tgt_lang), "tgt_lang": d.tgt_lang, "metric": bleu.paper_metric(d.tgt_lang),
+            "sets": {"test": "newstest2014 (full)" if wmt else f"custom test set ({d.test_src})",
+                     "dev": "newstest2013" if wmt else f"custom dev set ({d.dev_src})"},
+            # Table 2 reports EN->DE and EN->FR only; other directions and custom data get no row.
+            "paper": bleu.PAPER_TABLE2.get(pair, {}) if wmt else {}, "size": size}
 
 
 def read_hyps(uri: str, num_refs: int) -> list[str]:
@@ -45,28 +72,33 @@ def _fmt(x: Any, digits: int = 2) -> str:
     return f"{x:.{digits}f}" if isinstance(x, (int, float)) else str(x)
 
 
-def render_report(scores: dict[str, dict[str, Any]], tr: dict[str, Any]) -> str:
-    """A short Markdown page: the paper's row, ours, and how ours was made."""
+def render_report(scores: dict[str, dict[str, Any]], tr: dict[str, Any], setup: dict[str, Any]) -> str:
+    """A short Markdown page: the paper's rows for this pair (if any), ours, and how ours was made."""
     mc, dec = tr.get("model_config") or {}, tr.get("decode") or {}
-    out = ["# Transformer EN-DE: results", "",
-           "| system | newstest | BLEU (tokenized, compound split) | sacreBLEU | chrF |",
-           "|---|---|---|---|---|",
-           f"| paper, Transformer base (Table 2) | 2014 | {bleu.PAPER_BLEU['base']} | - | - |",
-           f"| paper, Transformer big (Table 2) | 2014 | {bleu.PAPER_BLEU['big']} | - | - |"]
+    key, cs = setup["metric"], setup["metric"] == "bleu_tok_cs"
+    column = "BLEU (tokenized, compound split)" if cs else "BLEU (tokenized)"
+    out = [f"# Transformer {setup['pair']}: results", "",
+           f"| system | set | {column} | sacreBLEU | chrF |", "|---|---|---|---|---|"]
+    for size, value in setup["paper"].items():
+        mark = " **(this run's row)**" if size == setup["size"] else ""
+        out.append(f"| paper, Transformer {size} (Table 2){mark} | newstest2014 | {value} | - | - |")
     for split, s in scores.items():
-        year = {"test": "2014", "dev": "2013"}.get(split, split)
-        out.append(f"| this run ({split}) | {year} | {_fmt(s['bleu_tok_cs'])} | {_fmt(s['bleu_sacre'])} "
-                   f"| {_fmt(s['chrf'])} |")
+        out.append(f"| this run ({split}) | {setup['sets'].get(split, split)} | {_fmt(s[key])} "
+                   f"| {_fmt(s['bleu_sacre'])} | {_fmt(s['chrf'])} |")
     averaged = tr.get("averaged") or []
-    out += ["", "Only the tokenized, compound-split column is comparable with the paper's numbers; "
-            "sacreBLEU is the number to compare with other work.", "",
-            "## How", "",
+    if setup["paper"]:
+        out += ["", f"Only the {column} column is comparable with the paper's numbers; "
+                "sacreBLEU is the number to compare with other work."]
+    else:
+        out += ["", f"The paper (Table 2) has no row for {setup['pair']} on this data: nothing here is "
+                "set beside its numbers."]
+    out += ["", "## How", "",
             f"- model: d_model {mc.get('d_model')}, d_ff {mc.get('d_ff')}, heads {mc.get('n_heads')}, "
             f"layers {mc.get('n_encoder_layers')}+{mc.get('n_decoder_layers')}, vocab {mc.get('vocab_size')}, "
             f"dropout {mc.get('dropout')}",
             f"- training: {tr.get('train_final_step')} steps; averaged the last {len(averaged)} checkpoint(s) "
             f"(steps {tr.get('averaged_steps')}); the paper averages 5 (base) / 20 (big), §6.1",
-            _compute_line(tr.get("train_compute") or {}),
+            _compute_line(tr.get("train_compute") or {}, setup["size"]),
             f"- decoding: beam {dec.get('beam_size')}, alpha {dec.get('alpha')}, max length "
             f"{dec.get('max_len_a')} * source + {dec.get('max_len_b')} (§6.1: 4, 0.6, source + 50); "
             f"engine: {dec.get('backend', 'torch')} (eval.backend)"]
@@ -76,23 +108,35 @@ def render_report(scores: dict[str, dict[str, Any]], tr: dict[str, Any]) -> str:
                 f"{counts.get('num_truncated', '?')} truncated sources",
                 f"  - sacreBLEU `{s['sacrebleu_signature']}`: {s['bleu_sacre_detail']}",
                 f"  - chrF `{s['chrf_signature']}`",
-                f"  - tokenized BLEU: {s['bleu_tok_cs_detail']}"]
-    out += ["", "Tokenized BLEU = tensor2tensor's `get_ende_bleu.sh`: Moses `tokenizer.perl -l de` "
-            "(sacremoses, escaping on as in the script) on hypothesis and reference, the ATAT split "
-            "`s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g` on both, then multi-bleu.perl's corpus BLEU.", ""]
+                f"  - tokenized BLEU: {s[key + '_detail']}"]
+    out += ["", _tokenized_note(setup["tgt_lang"], cs), ""]
     return "\n".join(out)
 
 
-def _compute_line(c: dict[str, Any]) -> str:
+def _tokenized_note(lang: str, cs: bool) -> str:
+    if cs:
+        return ("Tokenized BLEU = tensor2tensor's `get_ende_bleu.sh` as of the paper's time (e1bde977, "
+                "2017-11-08, before fc9335c0 added replace-unicode-punctuation.perl, which lowers scores by "
+                "~0.5-0.8 BLEU): Moses `tokenizer.perl -l de` (sacremoses, escaping on as in the script) on "
+                "hypothesis and reference, the ATAT split `s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g` on both "
+                "(on UTF-8 bytes, as `perl -ple` runs it), then multi-bleu.perl's corpus BLEU.")
+    return (f"Tokenized BLEU = Moses `tokenizer.perl -l {lang}` (sacremoses, escaping on) on hypothesis and "
+            "reference, then multi-bleu.perl's corpus BLEU; no compound splitting (tensor2tensor published "
+            "no EN-FR scoring script: its get_ende_bleu.sh is for German only).")
+
+
+def _compute_line(c: dict[str, Any], size: str | None) -> str:
     if not c.get("wall_s"):
         return "- training compute: not recorded"
+    paper = f" (paper, {size}: {_PAPER_COMPUTE[size]}, §5.2)" if size else ""
     return (f"- training compute: {c['wall_s'] / 3600:.2f} h of training loop on {c.get('num_workers')} "
-            f"{c.get('device')} worker(s), {c.get('gpu_hours', 0.0):.1f} GPU-hours "
-            "(paper, base: 12 h on 8 P100 = 96 GPU-hours, §5.2)")
+            f"{c.get('device')} worker(s), {c.get('gpu_hours', 0.0):.1f} GPU-hours{paper}")
 
 
 def run(ctx: StageContext) -> StageResult:
     tr, enc = ctx.inputs["translate"].outputs, ctx.inputs["encode"].outputs
+    setup = setup_of(ctx.cfg)
+    key = setup["metric"]
     scores: dict[str, dict[str, Any]] = {}
     metrics: dict[str, float] = {}
     for split in ctx.cfg.eval.splits:
@@ -102,15 +146,14 @@ def run(ctx: StageContext) -> StageResult:
             log.warning("%s: scoring only the first %d sentences (eval.max_sentences): not comparable "
                         "with the paper's full-test-set BLEU", split, len(refs))
         hyps = read_hyps(tr["splits"][split]["hyps"], len(refs))
-        s = scores[split] = score_split(hyps, refs)
-        log.info("%s: sacreBLEU %.2f (%s)", split, s["bleu_sacre"], s["sacrebleu_signature"])
-        log.info("%s: tokenized compound-split BLEU %.2f (paper, base: %.1f)", split, s["bleu_tok_cs"],
-                 bleu.PAPER_BLEU["base"])
-        log.info("%s: chrF %.2f (%s)", split, s["chrf"], s["chrf_signature"])
-        metrics.update({f"{split}/bleu_sacre": s["bleu_sacre"], f"{split}/bleu_tok_cs": s["bleu_tok_cs"],
+        s = scores[split] = score_split(hyps, refs, setup["tgt_lang"])
+        log.info("%s %s: sacreBLEU %.2f (%s)", setup["pair"], split, s["bleu_sacre"], s["sacrebleu_signature"])
+        log.info("%s %s: %s %.2f (paper, Table 2: %s)", setup["pair"], split, key, s[key], setup["paper"] or "no row")
+        log.info("%s %s: chrF %.2f (%s)", setup["pair"], split, s["chrf"], s["chrf_signature"])
+        metrics.update({f"{split}/bleu_sacre": s["bleu_sacre"], f"{split}/{key}": s[key],
                         f"{split}/chrf": s["chrf"]})
 
-    report = render_report(scores, tr)
+    report = render_report(scores, tr, setup)
     if ctx.cfg.eval.max_sentences:
         report = (f"> **Partial test set**: only the first {ctx.cfg.eval.max_sentences} sentences of each split "
                   "were decoded and scored (`eval.max_sentences`); these numbers are NOT comparable with "
@@ -122,7 +165,7 @@ def run(ctx: StageContext) -> StageResult:
     ctx.tracker.log_text(json.dumps(scores, indent=2, sort_keys=True), "scores.json")
     ctx.tracker.log_text(report, "report.md")
     ctx.tracker.set_tags({f"{split}/sacrebleu_signature": s["sacrebleu_signature"] for split, s in scores.items()})
-    keep = ("bleu_sacre", "sacrebleu_signature", "bleu_tok_cs", "chrf", "chrf_signature")
+    keep = ("bleu_sacre", "sacrebleu_signature", key, "chrf", "chrf_signature")
     return StageResult(outputs={"scores": {sp: {k: s[k] for k in keep} for sp, s in scores.items()},
                                 "report": report_uri, "scores_file": scores_uri},
                        metrics=metrics)

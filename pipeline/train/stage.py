@@ -55,7 +55,8 @@ def model_config_for(cfg: Config, vocab: dict[str, Any]) -> ModelConfig:
     return ModelConfig(vocab_size=int(vocab["vocab_size"]), pad_id=int(vocab.get("pad_id", 0)),
                        bos_id=int(vocab.get("bos_id", 2)), eos_id=int(vocab.get("eos_id", 3)),
                        d_model=m.d_model, d_ff=m.d_ff, n_heads=m.n_heads, n_encoder_layers=m.n_encoder_layers,
-                       n_decoder_layers=m.n_decoder_layers, dropout=m.dropout, max_positions=m.max_positions)
+                       n_decoder_layers=m.n_decoder_layers, dropout=m.dropout, max_positions=m.max_positions,
+                       d_k=m.d_k or None, d_v=m.d_v or None, positional=m.positional)
 
 
 def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str) -> dict[str, Any]:

@@ -119,3 +119,27 @@ def test_misaligned_custom_corpus_fails_through_ray(ray_local, tmp_path):
     dl = _run(download, "download", cfg, tmp_path)
     with pytest.raises(DataError, match=r"misaligned corpus: .*train0\.src has 3 lines but .*train0\.tgt has 2"):
         _run(prepare, "prepare", cfg, tmp_path, download=dl)
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+def test_large_corpora_in_parallel_segments_give_the_same_shards(mirror_dir, ray_local, tmp_path, monkeypatch,
+                                                                 dedup):
+    """A corpus cut into segments (forced here: every train corpus, 3000 lines each) yields the
+    byte-identical shards and the same counts as one task per corpus, with dedup on or off."""
+    cfg = Config()
+    cfg.data.mirror, cfg.data.num_shards, cfg.data.dedup = str(mirror_dir), 3, dedup
+    cfg.run.work_dir = str(tmp_path)
+    dl = _run(download, "download", cfg, tmp_path)
+    whole = _run(prepare, "prepare", cfg, tmp_path, "whole", download=dl)
+    parts: list[int] = []
+    combine = prepare.combine
+    monkeypatch.setattr(prepare, "combine", lambda p, n=None: parts.append(len(p)) or combine(p, n))
+    monkeypatch.setattr(prepare, "SEGMENT_MIN_BYTES", 0)
+    monkeypatch.setattr(prepare, "SEGMENT_LINES", 3000)
+    cut = _run(prepare, "prepare", cfg, tmp_path, "cut", download=dl)
+    assert parts == [1, 4, 7, 1, 1]  # europarl 100 lines, commoncrawl 10k, news commentary 20k; dev, test
+    for split in ("train", "dev", "test"):
+        assert _digests(whole.outputs["splits"][split]["dir"]) == _digests(cut.outputs["splits"][split]["dir"])
+    strip = lambda o: {k: v for k, v in o.items() if k != "splits"}  # noqa: E731
+    assert strip(cut.outputs) == strip(whole.outputs)
+    assert (cut.outputs["dropped"]["duplicate"] > 0) == dedup

@@ -21,6 +21,24 @@ def test_cluster_config_is_the_base_recipe_on_shared_storage():
     assert cluster.train.num_workers == 8 and cluster.train.use_gpu
 
 
+OVERLAY = REPO / "configs/cluster-overlay.toml"
+RECIPES = [p for p in sorted([*(REPO / "configs").glob("*.toml"), *(REPO / "configs").glob("table3/*.toml")])
+           if not p.name.startswith("cluster")]
+
+
+def test_cluster_toml_is_base_plus_the_overlay():
+    combined, cluster = load_config([REPO / "configs/base.toml", OVERLAY]), load_config(REPO / "configs/cluster.toml")
+    assert combined.to_dict() == cluster.to_dict()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_the_overlay_moves_any_recipe_to_the_cluster_without_changing_a_key(recipe):
+    alone, on_cluster = load_config(recipe), load_config([recipe, OVERLAY])
+    assert compute_keys(on_cluster) == compute_keys(alone)
+    assert on_cluster.run.work_dir == "s3://YOUR-BUCKET/transformer-base" and on_cluster.tracking.uri == ""
+    assert on_cluster.run.name == alone.run.name and on_cluster.train == alone.train and on_cluster.model == alone.model
+
+
 @pytest.mark.parametrize("key,value", [
     ("run.work_dir", "s3://AKIAEXAMPLE:s3cr3t@bucket/prefix"),
     ("run.storage_path", "s3://AKIAEXAMPLE@bucket/ray_train"),

@@ -6,18 +6,48 @@ import pytest
 
 from pipeline.config import Config, ConfigError, from_dict, load_config
 
-CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").glob("*.toml"))
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
+CONFIGS = sorted([*CONFIG_DIR.glob("*.toml"), *CONFIG_DIR.glob("table3/*.toml")])
 
 
 def test_configs_folder_is_not_empty():
-    assert {p.name for p in CONFIGS} >= {"base.toml", "local.toml"}
+    assert {p.name for p in CONFIGS} >= {"base.toml", "local.toml", "big.toml", "enfr-base.toml", "enfr-big.toml"}
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_shipped_config_loads(path):
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
+def test_every_shipped_config_loads_and_plans(path, tmp_path):
+    from workflows.runner import make_plan
+
     cfg = load_config(path)
     assert isinstance(cfg, Config)
     assert from_dict(cfg.to_dict()) == cfg  # round trip, e.g. into Ray workers
+    cfg.run.work_dir = str(tmp_path)
+    assert [p.action for p in make_plan(cfg)] == ["run"] * 8
+
+
+def test_table2_configs_are_the_papers_rows():
+    """§6.1 and Table 3 "big": sizes, dropout, steps, checkpoints averaged, vocabulary per row."""
+    big, fr_base, fr_big = (load_config(CONFIG_DIR / f) for f in ("big.toml", "enfr-base.toml", "enfr-big.toml"))
+    for cfg in (big, fr_big):
+        assert (cfg.model.d_model, cfg.model.d_ff, cfg.model.n_heads) == (1024, 4096, 16)
+        assert (cfg.train.max_steps, cfg.train.checkpoint_interval_s) == (300_000, 600.0)
+        assert cfg.eval.average_last == 20 and cfg.train.keep_checkpoints >= 20
+    assert big.model.dropout == 0.3 and fr_big.model.dropout == 0.1
+    assert (fr_base.model.d_model, fr_base.model.dropout, fr_base.eval.average_last) == (512, 0.1, 5)
+    for cfg in (fr_base, fr_big):
+        assert (cfg.data.tgt_lang, cfg.vocab.size) == ("fr", 32000)
+        assert cfg.tracking.experiment == "transformer-wmt14-enfr"
+    assert (big.data.tgt_lang, big.vocab.size) == ("de", 37000)
+
+
+def test_later_config_files_override_earlier_ones(tmp_path):
+    a, b = tmp_path / "a.toml", tmp_path / "b.toml"
+    a.write_text("[train]\nmax_steps = 10\nwarmup_steps = 7\n")
+    b.write_text("[train]\nmax_steps = 20\n[run]\nwork_dir = 'elsewhere'\n")
+    cfg = load_config([a, b], ["--train.warmup_steps=3"])
+    assert (cfg.train.max_steps, cfg.train.warmup_steps, cfg.run.work_dir) == (20, 3, "elsewhere")
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config([a, tmp_path / "missing.toml"])
 
 
 def test_defaults_are_the_papers_recipe():

@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.data.fetch import DataError
 from pipeline.data.prepare import clean_corpus
-from pipeline.data.clean import (TEXT_SCHEMA, Deduper, ReadReport, clean_batch, pair_hashes, read_pair_chunks,
+from pipeline.data.clean import (TEXT_SCHEMA, ReadReport, clean_batch, pair_hashes, read_pair_chunks,
                                  rule_masks, sgml_lines)
 
 
@@ -54,14 +54,8 @@ def test_word_counts_agree_with_python_split():
     assert masks["too_long"].tolist() == [len(t.split()) > 2 for t in texts]
 
 
-def test_deduper_keeps_first_occurrences_across_chunks():
-    d = Deduper()
-    t1 = _table([("a", "b"), ("a", "b"), ("a", "c")])
-    t2 = _table([("a", "c"), ("b", "a"), ("b", "a")])
-    assert d.keep_mask(pair_hashes(t1)).tolist() == [True, False, True]
-    assert d.keep_mask(pair_hashes(t2)).tolist() == [False, True, False]
-    assert len(d.seen) == 3 and d.seen.nbytes == 24  # 8 bytes per unique pair
-    # ("a b", "") and ("a", "b ")-like splits must not collide: the hash is over the two columns.
+def test_pair_hashes_are_over_both_columns():
+    # ("ab", "c") and ("a", "bc") must not collide: the hash is over the two columns.
     assert len(set(pair_hashes(_table([("ab", "c"), ("a", "bc")])).tolist())) == 2
 
 

@@ -113,6 +113,23 @@ def test_missing_member_is_named(mirror_dir, tmp_path):
         extract_members(str(archive), "dev.tgz", {"dev/newstest2099.en": str(tmp_path / "x")})
 
 
+def test_gzip_members_are_decompressed_or_copied_as_asked(mirror_dir, tmp_path):
+    """Giga's members are .gz files in a plain tar: wanted as plain text they are decompressed; wanted
+    under their .gz name they are copied byte for byte (no second gzip layer)."""
+    import gzip
+    import tarfile
+
+    archive = mirror_dir / "wmt10" / "training-giga-fren.tar"
+    member = "giga-fren.release2.fixed.fr.gz"
+    extract_members(str(archive), archive.name, {member: str(tmp_path / "plain.fr")})
+    extract_members(str(archive), archive.name, {member: str(tmp_path / member)})
+    with tarfile.open(archive) as tar:
+        raw = tar.extractfile(member).read()
+    assert (tmp_path / member).read_bytes() == raw
+    assert (tmp_path / "plain.fr").read_bytes() == gzip.decompress(raw)
+    assert len(gzip.decompress(raw).splitlines()) == 1000
+
+
 def _ctx(cfg: Config, out: Path) -> StageContext:
     return StageContext("download", "k", cfg, str(out), inputs={})
 

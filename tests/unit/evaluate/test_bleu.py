@@ -75,6 +75,35 @@ def test_atat_split_matches_perl(line):
         assert perl.stdout.rstrip("\n") == expected
 
 
+# Lines where a character-level split and perl's byte-level one differ (or could): a two-byte
+# letter between hyphens, a no-break space (C2 A0) and a narrow one (E2 80 AF) beside a hyphen,
+# an en dash (not a hyphen), a three-byte and a four-byte character, and plain ASCII.
+PERL_LINES = ["vis-à-vis", "a\u00a0-b", "a -\u00a0b", "x\u202f-y", "Jean–Paul", "été-là-bas",
+              "日-本-語", "😀-x", "a-b-c", "\u00e0-\u00e0-\u00e0"]
+
+
+@pytest.mark.skipif(not shutil.which("perl"), reason="perl is not installed")
+def test_atat_split_runs_on_bytes_as_perl_does():
+    text = "".join(line + "\n" for line in PERL_LINES)
+    perl = subprocess.run(["perl", "-ple", r"s{(\S)-(\S)}{$1 ##AT##-##AT## $2}g"], input=text.encode("utf-8"),
+                          capture_output=True, check=True)
+    expected = perl.stdout.decode("utf-8").split("\n")[:-1]
+    assert [bleu.atat_split(line) for line in PERL_LINES] == expected
+    # The case the issue found: the character-level regex leaves "à-vis" whole, perl splits it.
+    assert expected[0] == "vis ##AT##-##AT## à ##AT##-##AT## vis"
+    assert expected[1] == "a\u00a0 ##AT##-##AT## b"  # a no-break space is not perl's \s
+
+
+def test_tokenized_bleu_for_french_has_no_compound_split():
+    hyps, refs = ["C'est un vis-à-vis."], ["C'est un vis-à-vis important."]
+    fr = bleu.tokenized_bleu(hyps, refs, "fr", compound_split=False)
+    tok = [bleu.moses_tokenize(h, "fr") for h in hyps], [bleu.moses_tokenize(r, "fr") for r in refs]
+    assert "##AT##" not in " ".join(tok[0] + tok[1])
+    assert fr.score == pytest.approx(bleu.multi_bleu(*tok).score)
+    assert "lang=fr" in fr.signature and "ATAT" not in fr.signature
+    assert bleu.paper_metric("fr") == "bleu_tok" and bleu.paper_metric("de") == "bleu_tok_cs"
+
+
 def test_tokenized_compound_split_bleu_by_hand():
     hyps, refs = HYPS[:2], REFS[:2]
     # After Moses + ATAT:

@@ -38,8 +38,8 @@ class RecordingTracker:
         pass
 
 
-def _ctx(tmp_path, splits, hyps_by_split):
-    cfg = Config()
+def _ctx(tmp_path, splits, hyps_by_split, cfg=None):
+    cfg = cfg or Config()
     cfg.eval.splits = splits
     enc_splits, tr_splits = {}, {}
     for split in splits:
@@ -76,7 +76,10 @@ def test_score_stage_writes_metrics_scores_and_report(tmp_path):
     saved = json.loads((tmp_path / "score" / "scores.json").read_text())
     assert saved["test"]["bleu_tok_cs"] == pytest.approx(test["bleu_tok_cs"])
     report = (tmp_path / "score" / "report.md").read_text()
+    assert report.startswith("# Transformer EN-DE: results")
     assert "27.3" in report and "28.4" in report and test["sacrebleu_signature"] in report
+    assert "| paper, Transformer base (Table 2) **(this run's row)** | newstest2014 | 27.3 |" in report
+    assert "38.1" not in report and "e1bde977" in report
     assert "1234 steps" in report and "beam 4" in report
     assert ctx.tracker.texts["report.md"] == report and "scores.json" in ctx.tracker.texts
 
@@ -89,3 +92,31 @@ def test_score_stage_refuses_misaligned_hypotheses(tmp_path):
 def test_empty_hypothesis_lines_are_kept(tmp_path):
     result = score.run(_ctx(tmp_path, ["test"], ["", HYPS[1], HYPS[2]]))
     assert 0 < result.metrics["test/bleu_sacre"] < 100
+
+
+def test_en_fr_report_has_its_own_row_and_no_compound_split(tmp_path):
+    cfg = Config()
+    cfg.data.tgt_lang = "fr"
+    cfg.model.d_model, cfg.model.d_ff, cfg.model.n_heads = 1024, 4096, 16  # big
+    hyps, refs = ["C'est un vis-à-vis."] * 3, REFS  # any text: the metric choice is what is tested
+    result = score.run(_ctx(tmp_path, ["test"], hyps, cfg))
+    assert set(result.metrics) == {"test/bleu_sacre", "test/bleu_tok", "test/chrf"}
+    assert result.metrics["test/bleu_tok"] == pytest.approx(
+        bleu.tokenized_bleu(hyps, refs, "fr", compound_split=False).score)
+    report = (tmp_path / "score" / "report.md").read_text()
+    assert report.startswith("# Transformer EN-FR: results")
+    assert "| paper, Transformer big (Table 2) **(this run's row)** | newstest2014 | 41.8 |" in report
+    assert "| paper, Transformer base (Table 2) | newstest2014 | 38.1 |" in report
+    assert "27.3" not in report and "(tokenized, compound split)" not in report and "-l fr" in report
+
+
+def test_custom_data_gets_no_paper_row(tmp_path):
+    cfg = Config()
+    cfg.data.source, cfg.data.tgt_lang = "custom", "de"
+    cfg.data.train_src, cfg.data.train_tgt = ["a.en"], ["a.de"]
+    cfg.data.dev_src = cfg.data.dev_tgt = "dev.txt"
+    cfg.data.test_src, cfg.data.test_tgt = "mytest.en", "mytest.de"
+    score.run(_ctx(tmp_path, ["test"], HYPS, cfg))
+    report = (tmp_path / "score" / "report.md").read_text()
+    assert "27.3" not in report and "28.4" not in report and "newstest" not in report
+    assert "custom test set (mytest.en)" in report and "has no row for EN-DE" in report

@@ -1,0 +1,48 @@
+"""Per-head widths for attention with d_k and d_v independent of d_model / h (Table 3 rows A, B).
+
+The fused projections keep one tensor layout for every variant: each head's q, k, v are
+zero-padded to hs = max(d_k, d_v). Zero columns change no dot product, SDPA is given d_k^-0.5 as
+its scale (§3.2.1) when keys are padded, and the padded value columns are dropped before W_O, so
+the result is the paper's attention exactly (tests/unit/model/test_variants.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pad_heads(x: torch.Tensor, hs: int) -> torch.Tensor:
+    """(..., w) -> (..., hs): zero columns after the w real ones (no copy when w == hs)."""
+    return x if x.shape[-1] == hs else F.pad(x, (0, hs - x.shape[-1]))
+
+
+class Heads:
+    """Per-head widths of one attention block: d_k, d_v, hs = max(d_k, d_v), SDPA's scale."""
+
+    def __init__(self, d_model: int, n_heads: int, d_k: int | None, d_v: int | None):
+        self.n_heads = n_heads
+        self.d_k, self.d_v = d_k or d_model // n_heads, d_v or d_model // n_heads
+        self.hs = max(self.d_k, self.d_v)
+        self.uniform = self.d_k == self.d_v
+        # §3.2.1: scores / sqrt(d_k); SDPA's default 1/sqrt(hs) is that unless keys are padded.
+        self.scale = None if self.d_k == self.hs else self.d_k ** -0.5
+
+    def split(self, x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        """(B, T, h * sum(sizes)) fused projections -> (len(sizes), B, h, T, hs), each part padded."""
+        B, T, _ = x.shape
+        h = self.n_heads
+        if all(w == self.hs for w in sizes):
+            return x.view(B, T, len(sizes), h, self.hs).permute(2, 0, 3, 1, 4)
+        parts = x.split([h * w for w in sizes], dim=-1)
+        return torch.stack([pad_heads(p.view(B, T, h, w), self.hs) for p, w in zip(parts, sizes)]).permute(
+            0, 1, 3, 2, 4)
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        """SDPA output (B, h, T, hs) -> (B, T, h * d_v), the padded value columns dropped."""
+        return merge_heads(y if self.d_v == self.hs else y[..., : self.d_v])
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    B, h, T, hs = x.shape
+    return x.transpose(1, 2).reshape(B, T, h * hs)  # (B, T, d)
