@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with WorkDirLock(first.run.work_dir):
             started_ray = ensure_ray(first)
+            from pipeline.tracking import Tracking
+
+            Tracking(first).end_dead_runs()  # under the lock: RUNNING runs of this work dir are a dead driver's
             results = [run_variant(row, cfg) for row, cfg in cfgs.items()]
         table = render_table(results, first)
         out = storage.join(storage.absolute(first.run.work_dir), "table3")

@@ -227,6 +227,15 @@ def plan_split(split: str, df: pd.DataFrame, max_len: int, eos_id: int, batch_to
 # ----------------------------------------------------------------------------- Ray wrapper
 
 
+def _ct2_model(ctx: StageContext) -> str:
+    """The export stage's CTranslate2 model for eval.ct2_quantization, or why there is none."""
+    export = ctx.inputs["export"].outputs
+    if "not_exported" in export:
+        raise ValueError(f"translate: eval.backend = 'ctranslate2' needs an exported model, but the export "
+                         f"stage could not export this one ({export['not_exported']}); use eval.backend = 'torch'")
+    return export[f"ct2_{ctx.cfg.eval.ct2_quantization}"]
+
+
 def _actor_resources(cfg: Any) -> tuple[dict[str, Any], str, int]:
     """(map_batches resources, device, torch threads per actor)."""
     import ray
@@ -303,7 +312,7 @@ def run(ctx: StageContext) -> StageResult:
     kwargs = {"model_path": avg["model"], "model_config": avg["model_config"],
               "spm_path": ctx.inputs["vocab"].outputs["model"], "settings": asdict(settings),
               "device": device, "num_threads": threads, "backend": ev.backend,
-              "ct2_model": ctx.inputs["export"].outputs[f"ct2_{ev.ct2_quantization}"] if ev.backend == "ctranslate2" else ""}
+              "ct2_model": _ct2_model(ctx) if ev.backend == "ctranslate2" else ""}
     start = time.monotonic()
     results = translate_rows(pd.concat(rows, ignore_index=True), kwargs, ev.num_workers, resources)
     wall_s = time.monotonic() - start

@@ -90,6 +90,18 @@ def _ffn(prefix: str, state: dict[str, torch.Tensor], ours: str, perm: torch.Ten
             **_linear(f"{prefix}.fc2", state[f"{ours}.w2.weight"], state[f"{ours}.w2.bias"], perm, False, True)}
 
 
+def unexportable(cfg: ModelConfig) -> str | None:
+    """Why Marian (and so CTranslate2's converter) cannot hold this model exactly; None if it can."""
+    head = cfg.d_model // cfg.n_heads
+    if cfg.head_dims != (head, head):
+        return f"d_k/d_v = {cfg.head_dims} differ from d_model/h = {head} (Table 3 rows A/B): Marian has no such heads"
+    if cfg.positional != "sinusoid":
+        return "learned positional embeddings (Table 3 row E): Marian's positions are sinusoids only"
+    if not cfg.tie_embeddings:
+        return "untied embeddings: Marian shares one matrix (§3.4, our default)"
+    return None
+
+
 def to_marian_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our ``Transformer.state_dict()`` -> ``MarianMTModel`` parameter names and layouts (see module doc)."""
     if not cfg.tie_embeddings:
@@ -226,6 +238,13 @@ def export_all(model_path: str, model_config: dict[str, Any], spm_path: str, out
 
 def run(ctx: StageContext) -> StageResult:
     avg, vocab = ctx.inputs["average"].outputs, ctx.inputs["vocab"].outputs
+    reason = unexportable(ModelConfig.from_dict(avg["model_config"]))
+    if reason is not None:
+        # Not an error: translate (torch backend) and score still run on such a variant; the
+        # manifest says why nothing was written, and the CTranslate2 backend refuses it by name.
+        log.warning("export: not exported: %s", reason)
+        return StageResult(outputs={"model_config": avg["model_config"], "not_exported": reason},
+                           metrics={"export/MiB": 0.0})
     with tempfile.TemporaryDirectory() as tmp:
         model_path = str(storage.local_copy(avg["model"]))
         spm_path = str(storage.local_copy(vocab["model"]))

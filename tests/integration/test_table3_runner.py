@@ -37,8 +37,11 @@ def test_two_rows_share_data_and_make_one_table(tmp_path, mirror_dir, capsys, mo
     assert [r["row"] for r in results] == ["B1", "E"]
     b1, e = results
     assert {"download", "prepare", "vocab", "encode", "train", "score"} <= set(b1["ran"])
-    assert set(e["ran"]) == {"train", "average", "translate", "score"}  # the data stages were cached
+    assert set(e["ran"]) == {"train", "average", "export", "translate", "score"}  # the data stages were cached
     assert b1["train_key"] != e["train_key"] and b1["train_steps"] == e["train_steps"] == 16
+    # Marian cannot hold B1's d_k nor E's learned positions: export says so instead of writing folders.
+    reasons = sorted(json.loads(m.read_text())["outputs"]["not_exported"] for m in (work / "export").glob("*/_manifest.json"))
+    assert len(reasons) == 2 and "d_k/d_v" in reasons[0] and "learned" in reasons[1]
     for r in results:
         assert r["ppl_dev"] > 1.0 and 0.0 <= r["bleu_dev"] <= 100.0 and r["bleu_metric"] == "bleu_tok_cs"
     # E's learned table adds max_positions x d_model; B1's W_Q and W_K are h x d_k = 2 x 16 wide instead

@@ -63,3 +63,14 @@ def test_an_untied_model_is_refused_by_name():
                       tie_embeddings=False)
     with pytest.raises(ValueError, match="tied embeddings"):
         to_marian_state_dict(Transformer(cfg).state_dict(), cfg)
+
+
+def test_variants_marian_cannot_hold_are_named_not_exported():
+    from model import ModelConfig
+    from pipeline.serve.export import unexportable
+
+    base = dict(vocab_size=100, d_model=32, d_ff=64, n_heads=4, n_encoder_layers=1, n_decoder_layers=1)
+    assert unexportable(ModelConfig(**base)) is None
+    assert "d_k/d_v" in unexportable(ModelConfig(**base, d_k=16))
+    assert "learned" in unexportable(ModelConfig(**base, positional="learned"))
+    assert "untied" in unexportable(ModelConfig(**base, tie_embeddings=False))
