@@ -56,7 +56,11 @@ def plan_epoch(rows: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, token
     """
     rng = _rng(seed, epoch, 0)
     plen = padded_len(src_len[rows], tgt_len[rows])
-    order = np.lexsort((rng.random(len(rows)), plen))  # by length, random among equal lengths
+    # By length, random among equal lengths: np.lexsort((random, plen)), as two stable sorts
+    # (the same permutation, ~1.5x faster at 36M rows: the length pass is a radix sort).
+    by_random = np.argsort(rng.random(len(rows)), kind="stable")
+    key = plen[by_random].astype(np.int16 if plen.max(initial=0) < 2**15 else np.int64)
+    order = by_random[np.argsort(key, kind="stable")]
     sorted_rows = rows[order]
     cum = np.cumsum(target_tokens(tgt_len[sorted_rows]))
     groups: list[np.ndarray] = []
