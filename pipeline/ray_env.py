@@ -73,6 +73,13 @@ def start_local_ray(**init_kwargs: Any) -> str:
     return gcs
 
 
+def node_cpus() -> list[float]:
+    """The CPUs of each alive node of the connected Ray cluster."""
+    import ray
+
+    return [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -249,7 +249,9 @@ def _actor_resources(cfg: Any) -> tuple[dict[str, Any], str, int]:
     # heavy work while translate runs, and one thread per actor left most of a laptop idle.
     threads = cfg.eval.threads_per_worker
     if threads <= 0:
-        largest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")), default=1)
+        from pipeline.ray_env import node_cpus
+
+        largest = max(node_cpus(), default=1)
         threads = int(largest // max(1, cfg.eval.num_workers))
     return {"num_cpus": num_cpus}, "cpu", max(1, int(num_cpus), threads)
 

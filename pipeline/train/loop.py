@@ -133,13 +133,10 @@ class Trainer:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None
                          else contextlib.nullcontext)
-        t0 = time.perf_counter()
         self.train_data = load_shared_corpus(spec.train_dir, self.tc.corpus_cache_dir or None)
         keep = batching.keep_mask(self.train_data.src_len, self.train_data.tgt_len, self.tc.max_len)
         self.rows = np.flatnonzero(keep).astype(np.int32 if len(keep) < 2**31 else np.int64)
         self.num_dropped = int(len(keep) - len(self.rows))
-        self.timing = {"load_s": time.perf_counter() - t0, "plan_s": 0.0, "steps": 0, "loop_s": 0.0,
-                       "model_s": 0.0, "checkpoint_s": []}
         self.dev_data: Corpus | None = load_corpus(spec.dev_dir) if spec.dev_dir else None
         torch.manual_seed(self.tc.seed)  # identical initial weights on every worker
         self.model = Transformer(self.mcfg).to(self.device)
@@ -204,7 +201,6 @@ class Trainer:
                     plan = self._plan(p.epoch)
                     continue
                 self._maybe_fail(p.step + 1)
-                t_step = time.perf_counter()
                 group = plan[p.step_in_epoch]
                 nxt = plan[p.step_in_epoch + 1] if p.step_in_epoch + 1 < len(plan) else None
                 self._train_step(model, feeder.take(group), window, lambda: feeder.ahead(nxt))
@@ -220,17 +216,13 @@ class Trainer:
                 if self._checkpoint_due(last_ckpt_t, log_step):
                     self._checkpoint()
                     last_ckpt_t = time.monotonic()
-                self.timing["steps"] += 1
-                self.timing["loop_s"] += time.perf_counter() - t_step
         finally:
             feeder.close()
         return self.summary()
 
     def _plan(self, epoch: int) -> list[np.ndarray]:
-        d, t0 = self.train_data, time.perf_counter()
-        plan = batching.plan_epoch(self.rows, d.src_len, d.tgt_len, self.tc.tokens_per_step, self.tc.seed, epoch)
-        self.timing["plan_s"] += time.perf_counter() - t0
-        return plan
+        d = self.train_data
+        return batching.plan_epoch(self.rows, d.src_len, d.tgt_len, self.tc.tokens_per_step, self.tc.seed, epoch)
 
     def _host_batches(self, group: np.ndarray) -> tuple[list[MicroBatch], int, int]:
         """This worker's micro-batches of one step, collated and pinned on the host, and the
@@ -260,13 +252,11 @@ class Trainer:
             # Started here, not before the set-up above: the prefetch thread's Python holds the GIL
             # in bursts, and the model's kernels (which release it) are what it should overlap.
             start_prefetch()
-        t_model = time.perf_counter()
         loss, nll = accumulate_gradients(model, micro, step_tgt, self.world, self.tc.label_smoothing,
                                          self.mcfg.pad_id, self.autocast, self.scaler)
         want_norm = (p.step + 1) % self.tc.log_interval_steps == 0 or p.step + 1 == self.tc.max_steps
         window.lr = self.optimizer.param_groups[0]["lr"]
         norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.scaler, self.tc.clip_norm, want_norm)
-        self.timing["model_s"] += time.perf_counter() - t_model
         if norm is not None:
             window.grad_norm = norm
         window.steps += 1
@@ -372,7 +362,6 @@ class Trainer:
         if not upload_async:
             shutil.rmtree(tmp, ignore_errors=True)
         stall = time.perf_counter() - t0
-        self.timing["checkpoint_s"].append(stall)
         log.info("step %d/%d | checkpoint %s (%s upload; the loop waited %.2f s)", p.step, self.tc.max_steps,
                  name, "background" if upload_async else "synchronous", stall)
 
@@ -409,7 +398,6 @@ class Trainer:
                 "tokens_seen": {"src": p.tokens_src, "tgt": p.tokens_tgt},
                 "train_time_s": p.train_time_s, "num_dropped_too_long": self.num_dropped,
                 "num_pairs": len(self.rows), "precision": self.precision, "world_size": self.world,
-                "timing": self.timing,
                 "history_train": p.history_train, "history_val": p.history_val, "last_metrics": self.last_metrics}
 
 

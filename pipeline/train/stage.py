@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from model import ModelConfig
-from pipeline.ray_env import ensure_ray
+from pipeline.ray_env import ensure_ray, node_cpus
 from pipeline import storage
 from pipeline.train import batching
 from pipeline.train import checkpoint as train_checkpoint
@@ -211,13 +211,11 @@ def cpus_per_worker(cfg: Config, use_gpu: bool) -> int:
     Auto on CPU: the cluster's CPUs shared out over the workers, at most one node's worth, so a
     laptop's training uses every core (Ray would otherwise give a worker 1 CPU, hence 1 thread).
     Auto on GPU: 1 (the GPU does the work; the rest stays free for Ray Data stages)."""
-    import ray
-
     if cfg.train.cpus_per_worker > 0:
         return cfg.train.cpus_per_worker
     if use_gpu:
         return 1
-    per_node = [n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+    per_node = node_cpus()
     total, largest = sum(per_node), max(per_node, default=1)
     return max(1, int(min(total // cfg.train.num_workers, largest)))
 
