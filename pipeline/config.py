@@ -279,8 +279,11 @@ def _check(ok: bool, key: str, why: str) -> None:
         raise ConfigError(f"{key}: {why}")
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check (and, for strings from the command line, parse) a value against a field's type."""
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check (and, for strings from the command line, parse) a value against a field's type.
+
+    The one coercer of the project: config sections, `serve run` arguments and the translate
+    CLI all go through it (`typed_fields`), so a key's errors read the same everywhere."""
     origin = typing.get_origin(tp)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
@@ -288,7 +291,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             value = [v for v in value.split(",") if v] if value else []
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
-        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
@@ -325,13 +328,21 @@ def _apply(cfg: Config, values: dict[str, Any], origin: str) -> None:
         if not isinstance(section_values, dict):
             raise ConfigError(f"{section_name}: expected a [table] in {origin}")
         section = getattr(cfg, section_name)
-        field_types = typing.get_type_hints(type(section))
-        for key, value in section_values.items():
-            full = f"{section_name}.{key}"
-            if key not in field_types:
-                raise ConfigError(f"{full}: unknown config key in {origin} "
-                                  f"(known: {', '.join(field_types)})")
-            setattr(section, key, _coerce(value, field_types[key], full))
+        for key, value in typed_fields(type(section), section_values, origin, f"{section_name}.").items():
+            setattr(section, key, value)
+
+
+def typed_fields(cls: type, values: dict[str, Any], origin: str, prefix: str = "") -> dict[str, Any]:
+    """`values` checked against the dataclass `cls`'s fields (`coerce`d by their type hints);
+    an unknown key is a `ConfigError` naming it and the known ones."""
+    field_types = typing.get_type_hints(cls)
+    out = {}
+    for key, value in values.items():
+        full = f"{prefix}{key}"
+        if key not in field_types:
+            raise ConfigError(f"{full}: unknown config key in {origin} (known: {', '.join(field_types)})")
+        out[key] = coerce(value, field_types[key], full)
+    return out
 
 
 def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:

@@ -57,18 +57,9 @@ class ServeSettings:
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "ServeSettings":
         """Typed settings from ``serve run``'s string arguments; unknown keys are an error naming them."""
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(args) - set(fields))
-        if unknown:
-            raise ValueError(f"unknown serve argument(s): {', '.join(unknown)} (known: {', '.join(fields)})")
-        typed = {}
-        for k, v in args.items():
-            kind = fields[k].type  # int, float or str
-            try:
-                typed[k] = kind(v)
-            except ValueError as e:
-                raise ValueError(f"serve argument {k}={v!r}: not a {kind.__name__}") from e
-        s = cls(**typed)
+        from pipeline.config import typed_fields
+
+        s = cls(**typed_fields(cls, dict(args), "serve run's arguments"))
         if s.backend not in ("torch", "ctranslate2"):
             raise ValueError(f"serve argument backend={s.backend!r}: must be torch or ctranslate2")
         if not s.work_dir and not (s.model_dir and s.spm):
