@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,8 @@ class ModelConfig:
     positional: str = "sinusoid"
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_type(f.name, getattr(self, f.name), f.type)
+        for name, annotation in typing.get_type_hints(type(self)).items():
+            _check_type(name, getattr(self, name), annotation)
         self.dropout = float(self.dropout)
         for name in ("vocab_size", "d_model", "d_ff", "n_heads", "n_encoder_layers",
                      "n_decoder_layers", "max_positions"):
@@ -87,10 +88,11 @@ class ModelConfig:
 
 
 def _check_type(name: str, value: Any, annotation: Any) -> None:
-    """Reject wrong types by field name (bools are not ints; ints are fine for floats)."""
-    if str(annotation) == "int | None" and value is None:
-        return
-    expected = {"int": int, "int | None": int, "float": (int, float), "bool": bool, "str": str}[str(annotation)]
-    ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
-    if not ok:
-        raise TypeError(f"ModelConfig.{name} must be {annotation}, got {type(value).__name__} {value!r}")
+    """Reject wrong types by field name (bools are not ints; ints are fine for floats). A check,
+    not a parser: strings from the command line are coerced by the config (`pipeline.config`)
+    before they get here, and `model/` imports torch only."""
+    declared = typing.get_args(annotation) or (annotation,)  # `int | None` -> (int, NoneType)
+    allowed = declared + ((int,) if float in declared else ())
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in declared):
+        spelled = " | ".join("None" if t is type(None) else t.__name__ for t in declared)
+        raise TypeError(f"ModelConfig.{name} must be {spelled}, got {type(value).__name__} {value!r}")

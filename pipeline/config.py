@@ -53,6 +53,11 @@ class DataConfig:
     num_shards: int = 8  # Parquet shards per split written by prepare/encode
     download_timeout_s: float = op(60.0)
 
+    @property
+    def pair(self) -> str:
+        """``EN-DE``: how reports name the language pair."""
+        return f"{self.src_lang.upper()}-{self.tgt_lang.upper()}"
+
     def validate(self) -> None:
         _check(self.source in ("wmt14", "custom"), "data.source", "must be 'wmt14' or 'custom'")
         if self.source == "custom":

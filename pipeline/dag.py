@@ -31,9 +31,10 @@ STAGES: tuple[Stage, ...] = (
     Stage("translate", "1", ("eval.beam_size", "eval.alpha", "eval.max_len_a", "eval.max_len_b",
                              "eval.splits", "eval.max_sentences", "eval.backend", "eval.ct2_quantization"),
           ("average", "encode", "vocab", "export"), "pipeline.evaluate.translate:run"),
-    # The report names the pair and test set and picks its Table 2 row from data.* and model.*.
+    # The report names the pair and test set and picks its Table 2 row from data.* and model.*;
+    # it reads the training facts from train and the averaged checkpoints from average, where they are made.
     Stage("score", "1", ("eval.splits", "eval.max_sentences", "data.source", "data.src_lang", "data.tgt_lang",
-                         "data.dev_src", "data.test_src", "model"), ("translate", "encode"),
+                         "data.dev_src", "data.test_src", "model"), ("translate", "encode", "average", "train"),
           "pipeline.evaluate.score:run"),
 )
 

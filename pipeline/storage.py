@@ -154,6 +154,13 @@ def list_files(uri: str) -> list[tuple[str, int]]:
     return sorted((i.path[len(base):], i.size) for i in infos if i.type == pafs.FileType.File)
 
 
+def shard_uris(dir_uri: str) -> list[str]:
+    """The Parquet shards (``part-*.parquet``) of a split folder, sorted by name: shard order,
+    which is the split's row order. The one listing of shards: encode, vocab and train use it."""
+    return [join(dir_uri, name) for name, _ in list_files(dir_uri)
+            if name.startswith("part-") and name.endswith(".parquet") and "/" not in name]
+
+
 def last_modified(uri: str) -> float | None:
     """When anything below ``uri`` last changed (epoch seconds): the newest file's mtime, or the
     folder's own when it holds no file; None when ``uri`` does not exist."""

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import storage
+from pipeline.storage import shard_uris  # noqa: F401 (re-exported: a split's listing lives in the core)
 
 ROWS_PER_GROUP = 16_384
 COMPRESSION = "zstd"
@@ -21,12 +22,6 @@ COMPRESSION = "zstd"
 
 def shard_name(shard: int, num_shards: int) -> str:
     return f"part-{shard:05d}-of-{num_shards:05d}.parquet"
-
-
-def shard_uris(dir_uri: str) -> list[str]:
-    """The shard files of a split folder, in shard order."""
-    return [storage.join(dir_uri, name) for name, _ in storage.list_files(dir_uri)
-            if name.startswith("part-") and name.endswith(".parquet") and "/" not in name]
 
 
 class ShardWriter:

@@ -115,11 +115,6 @@ def check_langs(src_lang: str, tgt_lang: str) -> None:
                          f"got {src_lang}-{tgt_lang}")
 
 
-def pair_name(src_lang: str, tgt_lang: str) -> str:
-    """``EN-DE``: how reports name a language pair."""
-    return f"{src_lang.upper()}-{tgt_lang.upper()}"
-
-
 def archives(corpora: list[Corpus]) -> list[Archive]:
     """The distinct archives, in first-use order."""
     out: dict[str, Archive] = {}

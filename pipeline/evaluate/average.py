@@ -70,13 +70,12 @@ def run(ctx: StageContext) -> StageResult:
     storage.write_bytes(model_uri, buf.getvalue())
     storage.write_json(storage.join(ctx.out_dir, "model_config.json"), model_config)
     averaged = {"checkpoints": chosen, "steps": steps, "num_averaged": len(chosen),
-                "average_last": ctx.cfg.eval.average_last, "train_final_step": train.get("final_step")}
+                "average_last": ctx.cfg.eval.average_last}
     storage.write_json(storage.join(ctx.out_dir, "averaged.json"), averaged)
     num_params = sum(t.numel() for t in state.values() if t.is_floating_point())
     log.info("wrote %s (%d parameters, %.1f MiB)", model_uri, num_params, buf.tell() / 2**20)
     return StageResult(
         outputs={"model": model_uri, "model_config": model_config, "averaged": chosen,
-                 "steps": steps, "train_final_step": train.get("final_step"),
-                 "train_compute": {k: train.get(k) for k in ("wall_s", "num_workers", "device", "gpu_hours")}},
+                 "steps": steps},
         metrics={"average/num_checkpoints": float(len(chosen))},
     )

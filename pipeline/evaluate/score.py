@@ -20,7 +20,6 @@ from typing import Any
 
 from pipeline import storage
 from pipeline.config import Config
-from pipeline.data.sources import pair_name
 from pipeline.evaluate import bleu
 from pipeline.stage import StageContext, StageResult
 from pipeline.evaluate.translate import read_split
@@ -51,7 +50,7 @@ def setup_of(cfg: Config) -> dict[str, Any]:
     pair = f"{d.src_lang}-{d.tgt_lang}"
     size = next((name for name, dims in _SIZES.items() if dims == (
         m.d_model, m.d_ff, m.n_heads, m.n_encoder_layers, m.n_decoder_layers)), None)
-    return {"pair": pair_name(d.src_lang, d.tgt_lang), "tgt_lang": d.tgt_lang, "metric": bleu.paper_metric(d.tgt_lang),
+    return {"pair": d.pair, "tgt_lang": d.tgt_lang, "metric": bleu.paper_metric(d.tgt_lang),
             "sets": {"test": "newstest2014 (full)" if wmt else f"custom test set ({d.test_src})",
                      "dev": "newstest2013" if wmt else f"custom dev set ({d.dev_src})"},
             # Table 2 reports EN->DE and EN->FR only; other directions and custom data get no row.
@@ -72,9 +71,13 @@ def _fmt(x: Any, digits: int = 2) -> str:
     return f"{x:.{digits}f}" if isinstance(x, (int, float)) else str(x)
 
 
-def render_report(scores: dict[str, dict[str, Any]], tr: dict[str, Any], setup: dict[str, Any]) -> str:
-    """A short Markdown page: the paper's rows for this pair (if any), ours, and how ours was made."""
-    mc, dec = tr.get("model_config") or {}, tr.get("decode") or {}
+def render_report(scores: dict[str, dict[str, Any]], facts: dict[str, dict[str, Any]], setup: dict[str, Any]) -> str:
+    """A short Markdown page: the paper's rows for this pair (if any), ours, and how ours was made.
+
+    `facts` holds the upstream stages' outputs by name (train, average, translate), each read
+    from the stage that made it."""
+    train, avg, tr = facts["train"], facts["average"], facts["translate"]
+    mc, dec = train.get("model_config") or {}, tr.get("decode") or {}
     key, cs = setup["metric"], setup["metric"] == "bleu_tok_cs"
     column = "BLEU (tokenized, compound split)" if cs else "BLEU (tokenized)"
     out = [f"# Transformer {setup['pair']}: results", "",
@@ -85,7 +88,7 @@ def render_report(scores: dict[str, dict[str, Any]], tr: dict[str, Any], setup: 
     for split, s in scores.items():
         out.append(f"| this run ({split}) | {setup['sets'].get(split, split)} | {_fmt(s[key])} "
                    f"| {_fmt(s['bleu_sacre'])} | {_fmt(s['chrf'])} |")
-    averaged = tr.get("averaged") or []
+    averaged = avg.get("averaged") or []
     if setup["paper"]:
         out += ["", f"Only the {column} column is comparable with the paper's numbers; "
                 "sacreBLEU is the number to compare with other work."]
@@ -96,9 +99,9 @@ def render_report(scores: dict[str, dict[str, Any]], tr: dict[str, Any], setup: 
             f"- model: d_model {mc.get('d_model')}, d_ff {mc.get('d_ff')}, heads {mc.get('n_heads')}, "
             f"layers {mc.get('n_encoder_layers')}+{mc.get('n_decoder_layers')}, vocab {mc.get('vocab_size')}, "
             f"dropout {mc.get('dropout')}",
-            f"- training: {tr.get('train_final_step')} steps; averaged the last {len(averaged)} checkpoint(s) "
-            f"(steps {tr.get('averaged_steps')}); the paper averages 5 (base) / 20 (big), §6.1",
-            _compute_line(tr.get("train_compute") or {}, setup["size"]),
+            f"- training: {train.get('final_step')} steps; averaged the last {len(averaged)} checkpoint(s) "
+            f"(steps {avg.get('steps')}); the paper averages 5 (base) / 20 (big), §6.1",
+            _compute_line(train, setup["size"]),
             f"- decoding: beam {dec.get('beam_size')}, alpha {dec.get('alpha')}, max length "
             f"{dec.get('max_len_a')} * source + {dec.get('max_len_b')} (§6.1: 4, 0.6, source + 50); "
             f"engine: {dec.get('backend', 'torch')} (eval.backend)"]
@@ -153,7 +156,8 @@ def run(ctx: StageContext) -> StageResult:
         metrics.update({f"{split}/bleu_sacre": s["bleu_sacre"], f"{split}/{key}": s[key],
                         f"{split}/chrf": s["chrf"]})
 
-    report = render_report(scores, tr, setup)
+    report = render_report(scores, {name: ctx.inputs[name].outputs for name in ("train", "average", "translate")},
+                           setup)
     if ctx.cfg.eval.max_sentences:
         report = (f"> **Partial test set**: only the first {ctx.cfg.eval.max_sentences} sentences of each split "
                   "were decoded and scored (`eval.max_sentences`); these numbers are NOT comparable with "

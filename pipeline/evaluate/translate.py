@@ -335,11 +335,7 @@ def run(ctx: StageContext) -> StageResult:
     if num_failed:
         raise RuntimeError(f"translate: {num_failed} sentence(s) failed to decode (see the log); "
                            f"hypotheses written to {ctx.out_dir} for inspection")
-    # Passed through so that `score` (which reads only translate and encode) can report them.
-    outputs.update({"model_config": avg["model_config"], "averaged": avg.get("averaged", []),
-                    "averaged_steps": avg.get("steps", []), "train_final_step": avg.get("train_final_step"),
-                    "train_compute": avg.get("train_compute", {}),
-                    "decode": {**asdict(settings), "max_source_len": max_len, "batch_tokens": ev.batch_tokens,
+    outputs.update({"decode": {**asdict(settings), "max_source_len": max_len, "batch_tokens": ev.batch_tokens,
                                "backend": ev.backend,
                                "num_workers": ev.num_workers, "device": device},
                     "wall_s": wall_s})

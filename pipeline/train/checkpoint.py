@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -111,3 +113,26 @@ def load(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Opt
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / META_FILE).read_text())
+
+
+def report(session: Any, step: int, metrics: dict[str, Any], upload_async: bool,
+           write: Callable[[str], None]) -> None:
+    """Rank 0 writes the checkpoint of `step` (`write(folder)`) into a fresh local folder and
+    reports it; the other ranks report without one (Ray Train's report is also a barrier).
+
+    Async upload: Ray Train uploads in a background thread, registers the checkpoint only once
+    it is complete, deletes the folder afterwards, and waits for the upload before the run
+    ends; so a crash mid-upload leaves the previous checkpoint as the latest."""
+    name = checkpoint_dir_name(step)
+    if session.rank != 0:
+        session.report(metrics, None, None, upload_async)
+        return
+    tmp = tempfile.mkdtemp(prefix=f"{name}-")
+    try:
+        write(tmp)
+        session.report(metrics, tmp, name, upload_async)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if not upload_async:
+        shutil.rmtree(tmp, ignore_errors=True)

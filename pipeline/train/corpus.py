@@ -45,13 +45,11 @@ ID_COLUMNS = ("src_ids", "tgt_ids")
 
 
 def shard_files(dir_uri: str) -> list[str]:
-    """The Parquet shards of a split folder, sorted by name (the row order of the split)."""
+    """The shards of a split folder (`storage.shard_uris`), as paths in its file system."""
     fs, path = storage.resolve(dir_uri)
-    info = fs.get_file_info(path)
-    if info.type != pafs.FileType.Directory:
+    if fs.get_file_info(path).type != pafs.FileType.Directory:
         raise FileNotFoundError(f"{dir_uri}: not a folder of Parquet shards")
-    infos = fs.get_file_info(pafs.FileSelector(path, recursive=False))
-    return sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
+    return [storage.resolve(uri)[1] for uri in storage.shard_uris(dir_uri)]
 
 
 def _filesystem(dir_uri: str) -> pafs.FileSystem:

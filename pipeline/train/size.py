@@ -1,17 +1,30 @@
-"""A model's parameter count from the config alone, without allocating it (for --plan, Table 3).
+"""A model's size from the config: its `ModelConfig`, and its parameter count without allocating it.
 
-The Transformer is built on PyTorch's ``meta`` device: real modules, real shapes, no memory, so
-the count is the one the train stage's model has (at ``vocab.size`` pieces; the vocab stage's
-model has exactly that many unless SentencePiece could not reach it).
+`model_config_for` is the one place where the config's `model` section and the vocab stage's
+outputs become a `ModelConfig` (the train stage, --plan, Table 3). `num_parameters` builds the
+Transformer on PyTorch's ``meta`` device: real modules, real shapes, no memory, so the count is
+the one the train stage's model has (at ``vocab.size`` pieces; the vocab stage's model has exactly
+that many unless SentencePiece could not reach it).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from model import Transformer
+from model import ModelConfig, Transformer
 from pipeline.config import Config
-from pipeline.train.stage import model_config_for
+
+
+def model_config_for(cfg: Config, vocab: dict[str, Any]) -> ModelConfig:
+    """`cfg.model` sizes + the vocabulary's size and special ids (from the vocab stage)."""
+    m = cfg.model
+    return ModelConfig(vocab_size=int(vocab["vocab_size"]), pad_id=int(vocab.get("pad_id", 0)),
+                       bos_id=int(vocab.get("bos_id", 2)), eos_id=int(vocab.get("eos_id", 3)),
+                       d_model=m.d_model, d_ff=m.d_ff, n_heads=m.n_heads, n_encoder_layers=m.n_encoder_layers,
+                       n_decoder_layers=m.n_decoder_layers, dropout=m.dropout, max_positions=m.max_positions,
+                       d_k=m.d_k or None, d_v=m.d_v or None, positional=m.positional)
 
 
 def num_parameters(cfg: Config, vocab_size: int | None = None) -> int:

@@ -16,14 +16,13 @@ driver both continue from the latest checkpoint; at most one checkpoint interval
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -35,8 +34,10 @@ from pipeline.train import checkpoint as train_checkpoint
 from pipeline.config import Config
 from pipeline.stage import StageContext, StageResult
 from pipeline.train.corpus import id_range, load_lengths, shard_files
-from pipeline.train.loop import FAIL_AT_STEP_ENV, LoopSpec, train_worker
+from pipeline.train.loop import LoopSpec, train_worker
+from pipeline.train.session import SESSION_WRAPPER_ENV, RaySession
 from pipeline.train.resume import storage_path_for
+from pipeline.train.size import model_config_for
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +48,6 @@ class TrainInputError(ValueError):
 
 # ---------------------------------------------------------------------------------------------
 # Driver-side checks
-
-
-def model_config_for(cfg: Config, vocab: dict[str, Any]) -> ModelConfig:
-    """`cfg.model` sizes + the vocabulary's size and special ids (from the vocab stage)."""
-    m = cfg.model
-    return ModelConfig(vocab_size=int(vocab["vocab_size"]), pad_id=int(vocab.get("pad_id", 0)),
-                       bos_id=int(vocab.get("bos_id", 2)), eos_id=int(vocab.get("eos_id", 3)),
-                       d_model=m.d_model, d_ff=m.d_ff, n_heads=m.n_heads, n_encoder_layers=m.n_encoder_layers,
-                       n_decoder_layers=m.n_decoder_layers, dropout=m.dropout, max_positions=m.max_positions,
-                       d_k=m.d_k or None, d_v=m.d_v or None, positional=m.positional)
 
 
 def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str) -> dict[str, Any]:
@@ -110,74 +101,17 @@ def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str) -> dic
     return stats
 
 
-def _fail_hook() -> dict[str, Any]:
-    """Tests only: TRANSFORMER_REPRO_FAIL_AT_STEP="K:/path/marker[:hang]" makes one worker raise
-    (or hang) before step K, once. Read in the driver: Ray workers do not inherit its environment."""
-    value = os.environ.get(FAIL_AT_STEP_ENV, "")
-    if not value:
-        return {}
-    step, _, rest = value.partition(":")
-    marker, _, mode = rest.partition(":")
-    log.warning("train: test hook %s=%s is set", FAIL_AT_STEP_ENV, value)
-    return {"fail_at_step": int(step), "fail_marker": marker, "fail_mode": mode or "raise"}
-
-
 # ---------------------------------------------------------------------------------------------
 # Ray wiring (the only part of the stage that imports Ray)
 
 
-class RaySession:
-    """The loop's session inside a Ray Train worker."""
-
-    def __init__(self) -> None:
-        import ray.train
-        import ray.train.torch
-
-        ctx = ray.train.get_context()
-        self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
-        self.device = ray.train.torch.get_device()
-
-    @contextlib.contextmanager
-    def latest_checkpoint(self) -> Iterator[str | None]:
-        import ray.train
-
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is None:
-            yield None
-            return
-        with checkpoint.as_directory() as path:
-            yield path
-
-    def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, dir_name: str | None,
-               upload_async: bool = False) -> None:
-        import ray.train
-        from ray.train import CheckpointUploadMode
-
-        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        mode = CheckpointUploadMode.ASYNC if upload_async else CheckpointUploadMode.SYNC
-        dying = checkpoint is not None and getattr(self, "die_during_next_upload", False)
-        self.die_during_next_upload = False
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=dir_name if checkpoint else None,
-                         checkpoint_upload_mode=mode, checkpoint_upload_fn=_dying_upload if dying else None)
-
-
-def _dying_upload(checkpoint: Any, dir_name: str) -> Any:
-    """Tests only: copy one file of the checkpoint to its destination, then kill this worker
-    process, as a node lost mid-upload would. Ray Train must never take that folder as a checkpoint."""
-    import pyarrow.fs as pafs
-    import ray.train
-
-    st = ray.train.get_context().get_storage()
-    dest = f"{st.experiment_fs_path}/{dir_name}"
-    st.storage_filesystem.create_dir(dest)
-    pafs.copy_files(f"{checkpoint.path}/{train_checkpoint.MODEL_FILE}", f"{dest}/{train_checkpoint.MODEL_FILE}",
-                    source_filesystem=checkpoint.filesystem, destination_filesystem=st.storage_filesystem)
-    # An upload in progress for a while: Ray Train's controller registers each reported checkpoint
-    # at its next poll of the workers (every 2 s, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), so the
-    # previous one is registered by the time this worker dies.
-    time.sleep(5)
-    log.warning("test hook %s: worker dies during the upload of %s", FAIL_AT_STEP_ENV, dir_name)
-    os._exit(1)
+def _session_wrapper() -> str:
+    """`SESSION_WRAPPER_ENV` of the driver, for the workers (Ray workers on other nodes do not
+    inherit the driver's environment): tests install fault injection this way."""
+    value = os.environ.get(SESSION_WRAPPER_ENV, "")
+    if value:
+        log.warning("train: %s=%s wraps every worker's session", SESSION_WRAPPER_ENV, value)
+    return value
 
 
 def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -273,7 +207,7 @@ def run(ctx: StageContext) -> StageResult:
     spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=storage.absolute(train_dir),
                     dev_dir=storage.absolute(dev_dir) if dev_dir else "",
                     tracking_uri=getattr(ctx.tracker, "tracking_uri", None),
-                    run_id=getattr(ctx.tracker, "run_id", None), **_fail_hook())
+                    run_id=getattr(ctx.tracker, "run_id", None), session_wrapper=_session_wrapper())
     storage_path = storage_path_for(cfg)
     t0 = time.time()
     result = fit(cfg, spec, ctx.key, storage_path)

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import load_config
-from pipeline.train.loop import FAIL_AT_STEP_ENV
 from pipeline.train.resume import SNAPSHOT
+from tests.support import faults
 from tests.support.procs import session_pids, stop
 from workflows import reproduce_base, runner
 
@@ -98,7 +98,7 @@ def test_killed_driver_mid_encode_and_mid_train(tmp_path, mirror_dir, capsys, mo
         reason = plan(args, capsys)["train"][1]
         assert reason.startswith("unfinished (output from ") and "which may be running it" in reason, reason
 
-    proc = driver(args, tmp_path / "driver2.log", {FAIL_AT_STEP_ENV: f"23:{marker}:hang"})
+    proc = driver(args, tmp_path / "driver2.log", faults.env(23, marker, "hang"))
     kill_when(proc, at_step_23, "step 23", before_kill=plan_while_running)
     p = plan(args, capsys)
     assert p["encode"][0] == "cached"

@@ -20,8 +20,8 @@ from pipeline.train import stage as train
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.config import Config
 from pipeline.stage import Manifest, StageContext
-from pipeline.train.loop import FAIL_AT_STEP_ENV
 from pipeline.train.synthetic import write_reverse_task
+from tests.support import faults
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,8 @@ def test_two_workers_train_checkpoint_and_log(baseline):
 def test_worker_failure_resumes_from_the_latest_checkpoint(ray_local, shards, baseline, tmp_path, monkeypatch):
     from pipeline.tracking import RunLogger
 
-    monkeypatch.setenv(FAIL_AT_STEP_ENV, f"17:{tmp_path / 'failed'}")
+    for k, v in faults.env(17, tmp_path / "failed").items():
+        monkeypatch.setenv(k, v)
     cfg = make_config(tmp_path)
     client, uri = baseline[2], f"sqlite:///{baseline[0].run.work_dir}/mlflow.db"
     run_id = client.create_run(client.get_run(baseline[3]).info.experiment_id).info.run_id
@@ -135,7 +136,8 @@ def test_worker_dying_mid_upload_resumes_from_the_previous_complete_checkpoint(r
                                                                               tmp_path, monkeypatch):
     # Rank 0's process dies while the step-20 checkpoint is half-uploaded (one file of three
     # at its destination): Ray Train must not take it as the latest, and restarts from step 10.
-    monkeypatch.setenv(FAIL_AT_STEP_ENV, f"20:{tmp_path / 'died'}:upload")
+    for k, v in faults.env(20, tmp_path / "died", "upload").items():
+        monkeypatch.setenv(k, v)
     cfg = make_config(tmp_path)
     assert cfg.train.checkpoint_upload == "async"
     result = train.run(make_context(cfg, "upload", shards))
@@ -175,7 +177,7 @@ def test_killed_driver_resumes_from_its_checkpoint(ray_local, shards, baseline, 
             "inputs": {k: m.to_dict() for k, m in ctx.inputs.items()}}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     (tmp_path / "driver.py").write_text(DRIVER)
-    env = {**os.environ, "PYTHONPATH": str(REPO), FAIL_AT_STEP_ENV: f"11:{marker}:hang"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **faults.env(11, marker, "hang")}
     proc = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "spec.json")],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # Ray Train registers a reported checkpoint in its snapshot asynchronously: wait for both.

@@ -52,13 +52,17 @@ def _ctx(tmp_path, splits, hyps_by_split, cfg=None):
         hyp_file = tmp_path / f"hyps.{split}.txt"
         hyp_file.write_text("".join(h + "\n" for h in hyps_by_split), encoding="utf-8")
         tr_splits[split] = {"hyps": str(hyp_file), "num_sentences": 3, "num_truncated": 0, "num_empty": 0}
-    translate_out = {"splits": tr_splits, "train_final_step": 1234, "averaged": ["a", "b"],
-                     "averaged_steps": [1000, 1234], "model_config": {"d_model": 512, "d_ff": 2048},
-                     "decode": {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 50}}
+    translate_out = {"splits": tr_splits, "decode": {"beam_size": 4, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": 50}}
+    # Training facts come from train, the averaged checkpoints from average: each from its maker.
+    train_out = {"final_step": 1234, "model_config": {"d_model": 512, "d_ff": 2048}, "wall_s": 7200.0,
+                 "num_workers": 8, "device": "GPU", "gpu_hours": 16.0}
+    average_out = {"averaged": ["a", "b"], "steps": [1000, 1234]}
     out = tmp_path / "score"
     out.mkdir()
     return StageContext(name="score", key="s", cfg=cfg, out_dir=str(out), tracker=RecordingTracker(), inputs={
         "translate": Manifest(stage="translate", key="t", dir="", outputs=translate_out),
+        "train": Manifest(stage="train", key="tr", dir="", outputs=train_out),
+        "average": Manifest(stage="average", key="a", dir="", outputs=average_out),
         "encode": Manifest(stage="encode", key="e", dir="", outputs={"splits": enc_splits})})
 
 
@@ -80,7 +84,8 @@ def test_score_stage_writes_metrics_scores_and_report(tmp_path):
     assert "27.3" in report and "28.4" in report and test["sacrebleu_signature"] in report
     assert "| paper, Transformer base (Table 2) **(this run's row)** | newstest2014 | 27.3 |" in report
     assert "38.1" not in report and "e1bde977" in report
-    assert "1234 steps" in report and "beam 4" in report
+    assert "1234 steps" in report and "beam 4" in report and "(steps [1000, 1234])" in report
+    assert "2.00 h of training loop on 8 GPU worker(s), 16.0 GPU-hours" in report
     assert ctx.tracker.texts["report.md"] == report and "scores.json" in ctx.tracker.texts
 
 

@@ -12,8 +12,10 @@ from model import ModelConfig
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.config import Config
 from pipeline.train.loop import LocalSession, LoopSpec, train_worker
+from pipeline.train.session import SESSION_WRAPPER_ENV
 from pipeline.train.step import resolve_precision
 from pipeline.train.synthetic import write_reverse_task
+from tests.support import faults
 
 VOCAB = 64
 
@@ -97,12 +99,15 @@ def test_checkpoint_folder_follows_the_stage_contract(shards, tmp_path):
     assert all(t.device.type == "cpu" for t in weights.values())
 
 
-def test_fail_hook_raises_once(shards, tmp_path):
+def test_session_wrapper_injects_a_fault_once(shards, tmp_path):
+    """The fault injection of the integration tests (tests/support/faults.py) reaches the loop
+    through `LoopSpec.session_wrapper` only: the loop itself has no test switch."""
     spec = tiny_spec(shards, max_steps=4)
-    spec.update(fail_at_step=3, fail_marker=str(tmp_path / "failed"))
+    spec["session_wrapper"] = faults.env(3, tmp_path / "failed")[SESSION_WRAPPER_ENV]
     session = LocalSession(tmp_path / "ck")
     with pytest.raises(RuntimeError, match="injected failure before step 3"):
         train_worker(spec, session)
+    assert (tmp_path / "failed").read_text() == "3"
     out = train_worker(spec, session)  # marker written: no second failure; resumes from step 0
     assert out["final_step"] == 4
 

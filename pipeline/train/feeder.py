@@ -1,0 +1,73 @@
+"""A step's host-side batches: this worker's share of the step, collated, pinned, built ahead.
+
+`HostBatcher` turns one step group (row ids of the global plan) into this worker's micro-batches
+and the step's token counts; `Feeder` builds the next step's batches in a background thread
+while the current step runs. Both are O(batch) and touch no device.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+import torch
+
+from model import ModelConfig
+from pipeline.train import batching
+from pipeline.train.corpus import Corpus
+from pipeline.train.step import MicroBatch, pin
+
+HostBatches = tuple[list[MicroBatch], int, int]  # micro-batches, step target tokens, step source tokens
+
+
+class HostBatcher:
+    """This worker's micro-batches of one step (`rank` of `world`), under `max_tokens` padded tokens each."""
+
+    def __init__(self, data: Corpus, mcfg: ModelConfig, rank: int, world: int, max_tokens: int,
+                 device: torch.device):
+        self.data, self.mcfg, self.rank, self.world = data, mcfg, rank, world
+        self.max_tokens, self.device = max_tokens, device
+
+    def __call__(self, group: np.ndarray) -> HostBatches:
+        d, m = self.data, self.mcfg
+        step_tgt = int(batching.target_tokens(d.tgt_len[group]).sum())
+        step_src = int(d.src_len[group].sum()) + len(group)
+        split = batching.split_step(group, d.src_len, d.tgt_len, self.world, self.max_tokens)
+        micro = []
+        for rows in split.for_worker(self.rank):
+            weight = 1.0 if len(rows) else 0.0  # no rows left for this worker: a zero-weight stand-in
+            rows = rows if len(rows) else group[:1]
+            b = batching.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
+                                 m.pad_id, m.bos_id, m.eos_id)
+            micro.append(pin(b, self.device, weight))
+        return micro, step_tgt, step_src
+
+
+class Feeder:
+    """Hands out a step's host micro-batches, built one step ahead in a background thread.
+
+    The batches are a pure function of the step's rows, so prefetch on or off gives the same
+    losses (tested); on a GPU the collate, the pinning and the index computation then overlap
+    the previous step's kernels instead of delaying the next launch."""
+
+    def __init__(self, build: Callable[[np.ndarray], HostBatches], prefetch: bool):
+        self.build = build
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch else None
+        self.pending: tuple[np.ndarray, Future] | None = None
+
+    def take(self, group: np.ndarray) -> HostBatches:
+        """The step's batches: the prefetched ones if they are this group's, else built now."""
+        ahead, self.pending = self.pending, None
+        if ahead is not None and ahead[0] is group:
+            return ahead[1].result()
+        return self.build(group)
+
+    def ahead(self, next_group: np.ndarray | None) -> None:
+        """Start building the next step's batches in the background (no-op without prefetch)."""
+        if self.pool is not None and next_group is not None:
+            self.pending = (next_group, self.pool.submit(self.build, next_group))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)

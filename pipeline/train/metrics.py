@@ -1,0 +1,112 @@
+"""Training metrics: the window of steps since the last log line, and what a log step does.
+
+`Window` sums a step's loss, nll and token counts on the device (no sync). On a log step,
+`TrainLog.log_window` all-reduces the sums once, writes the progress line, appends to the
+metric history kept in checkpoints, and sends the metrics to MLflow from rank 0. `TrainLog.log`
+does the same for any other metrics (validation). MLflow is imported lazily, and a tracking
+failure never stops training.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.train.checkpoint import Progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Window:
+    """Sums since the last log line (device tensors: adding them does not sync)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    tokens_src: int = 0
+    tokens_tgt: int = 0
+    loss: torch.Tensor | None = None
+    nll: torch.Tensor | None = None
+    lr: float = 0.0  # the rate the last step used
+    grad_norm: float = float("nan")  # of the last step (computed on log steps only)
+
+    def add(self, loss: torch.Tensor, nll: torch.Tensor, step_src: int, step_tgt: int, lr: float,
+            grad_norm: float | None) -> None:
+        self.steps += 1
+        self.tokens_src += step_src
+        self.tokens_tgt += step_tgt
+        self.loss = loss if self.loss is None else self.loss + loss
+        self.nll = nll if self.nll is None else self.nll + nll
+        self.lr = lr
+        if grad_norm is not None:
+            self.grad_norm = grad_norm
+
+
+def all_reduce_sum(values: torch.Tensor, device: torch.device, world: int) -> list[float]:
+    """Sum `values` over the workers (float64); the host copy waits for the device."""
+    t = values.to(device, torch.float64)
+    if world > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+class TrainLog:
+    """Rank 0's metrics: the progress line, the history kept in checkpoints, MLflow."""
+
+    def __init__(self, progress: Progress, max_steps: int, rank: int, world: int, device: torch.device,
+                 tracking_uri: str | None, run_id: str | None):
+        self.progress, self.max_steps = progress, max_steps
+        self.rank, self.world, self.device = rank, world, device
+        self.tracker = _make_tracker(tracking_uri, run_id) if rank == 0 else None
+        self.last: dict[str, float] = {}  # the latest value of every metric (reported with checkpoints)
+        self._warned = False
+
+    def log_window(self, w: Window) -> None:
+        """One log line for the steps of `w` (every rank takes part in the all-reduce)."""
+        loss, nll = all_reduce_sum(torch.stack([w.loss, w.nll]), self.device, self.world)
+        if self.rank != 0:
+            return
+        p, elapsed = self.progress, time.perf_counter() - w.start
+        step_time = elapsed / max(w.steps, 1)
+        m = {"train/loss": loss / w.tokens_tgt, "train/nll": nll / w.tokens_tgt,
+             "train/ppl": math.exp(min(nll / w.tokens_tgt, 50.0)), "train/lr": w.lr,
+             "train/grad_norm": w.grad_norm,
+             "train/tgt_tokens_per_s": w.tokens_tgt / elapsed, "train/src_tokens_per_s": w.tokens_src / elapsed,
+             "train/step_time_s": step_time}
+        p.history_train.append([float(p.step), m["train/loss"], m["train/nll"], m["train/lr"]])
+        self.log(m)
+        eta = (self.max_steps - p.step) * step_time
+        log.info("step %d/%d | loss %.4f | nll %.4f | lr %.3g | %.0f tgt tok/s | %.3f s/step | ETA %s",
+                 p.step, self.max_steps, m["train/loss"], m["train/nll"], w.lr,
+                 m["train/tgt_tokens_per_s"], step_time, hms(eta))
+
+    def log(self, metrics: dict[str, float]) -> None:
+        """Metrics at the current step: kept as the latest values and sent to MLflow (rank 0)."""
+        self.last.update(metrics)
+        if self.tracker is None:
+            return
+        try:
+            self.tracker.log_metrics(metrics, step=self.progress.step)
+        except Exception as e:  # noqa: BLE001 (any store error): tracking must never stop training
+            if not self._warned:
+                log.warning("could not log metrics to MLflow (%s); training continues", e)
+                self._warned = True
+
+
+def _make_tracker(uri: str | None, run_id: str | None) -> Any:
+    if not run_id:
+        return None
+    from pipeline.tracking import RunLogger  # MLflow is imported lazily, on first log
+
+    return RunLogger(uri, run_id)
+
+
+def hms(seconds: float) -> str:
+    s = int(max(seconds, 0))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

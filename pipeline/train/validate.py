@@ -1,0 +1,54 @@
+"""Dev-set loss and perplexity during training (`train.eval_interval_steps`), in the workers.
+
+Each worker takes a stride of the dev batches and the sums are all-reduced, so validation costs
+about one forward pass over the dev set split over the workers; pairs longer than the model's
+positions are left out. The model is put back in training mode afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, ContextManager
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import ModelConfig, label_smoothed_nll
+from pipeline.train import batching
+from pipeline.train.corpus import Corpus
+from pipeline.train.metrics import all_reduce_sum
+from pipeline.train.step import to_device
+
+
+class Validator:
+    """Loss, nll and perplexity per target token on the dev split; `None` on ranks other than 0."""
+
+    def __init__(self, data: Corpus, mcfg: ModelConfig, max_tokens: int, label_smoothing: float,
+                 autocast: Callable[[], ContextManager], rank: int, world: int, device: torch.device):
+        self.data, self.mcfg, self.label_smoothing, self.autocast = data, mcfg, label_smoothing, autocast
+        self.rank, self.world, self.device = rank, world, device
+        d, limit = data, mcfg.max_positions
+        rows = np.flatnonzero((d.src_len + 1 <= limit) & (d.tgt_len + 1 <= limit))
+        self.batches = batching.plan_eval_batches(rows, d.src_len, d.tgt_len, max_tokens)
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module) -> dict[str, float] | None:
+        d, m = self.data, self.mcfg
+        inner = model.module if isinstance(model, DDP) else model
+        inner.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for rows in self.batches[self.rank::self.world]:
+            b = batching.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
+                                 m.pad_id, m.bos_id, m.eos_id)
+            mb = to_device(b, self.device)
+            with self.autocast():
+                logits = inner(mb.src, mb.tgt_in)
+            loss, nll = label_smoothed_nll(logits, mb.tgt_out, epsilon=self.label_smoothing, ignore_index=m.pad_id)
+            sums += torch.stack([loss.double(), nll.double(), torch.tensor(float(b.num_tgt_tokens),
+                                 dtype=torch.float64, device=self.device)])
+        inner.train()
+        loss, nll, n = all_reduce_sum(sums, self.device, self.world)
+        if self.rank != 0 or n == 0:
+            return None
+        return {"val/loss": loss / n, "val/nll": nll / n, "val/ppl": math.exp(min(nll / n, 50.0))}
