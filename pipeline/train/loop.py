@@ -29,7 +29,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
 from pipeline.config import from_dict as config_from_dict
@@ -41,7 +40,8 @@ from pipeline.train.corpus import load_corpus, load_shared_corpus
 from pipeline.train.feeder import Feeder, HostBatcher, HostBatches
 from pipeline.train.metrics import TrainLog, Window
 from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
-from pipeline.train.step import accumulate_gradients, optimizer_step, resolve_precision, step_seed, upload
+from pipeline.train.step import (accumulate_gradients, distributed, optimizer_step, resolve_precision, step_seed,
+                                 upload)
 from pipeline.train.validate import Validator
 
 log = logging.getLogger(__name__)
@@ -120,24 +120,12 @@ class Trainer:
             log.info("resumed from checkpoint at step %d (epoch %d, step %d of that epoch)",
                      self.progress.step, self.progress.epoch, self.progress.step_in_epoch)
 
-    def _wrapped(self) -> torch.nn.Module:
-        if self.world == 1:
-            return self.forward_model
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        # No buffer to sync (the sinusoid table is constant; LayerNorm keeps no statistics).
-        ddp = DDP(self.forward_model, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
-        if self.tc.grad_compression == "bf16":
-            # Halves all-reduce bytes between nodes; gradients are averaged in bf16 (lossy).
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        return ddp
-
     def run(self) -> dict[str, Any]:
         self.restore()
         self.start_step = self.progress.step
         self.cadence.checkpointed()  # the checkpoint clock starts with the loop
-        model, p, tc = self._wrapped(), self.progress, self.tc
+        model = distributed(self.forward_model, self.device, self.world, self.tc.grad_compression)
+        p, tc = self.progress, self.tc
         plan = self._plan(p.epoch)
         if self.rank == 0:
             log.info("training from step %d to %d on %d worker(s), %s; %d pairs kept, %d dropped "

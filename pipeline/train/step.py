@@ -127,6 +127,23 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
     return norm
 
 
+def distributed(model: torch.nn.Module, device: torch.device, world: int, grad_compression: str) -> torch.nn.Module:
+    """`model` as the step calls it: itself on one worker, else wrapped in DDP."""
+    if world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [device.index] if device.type == "cuda" else None
+    # No buffer to sync (the sinusoid table is constant; LayerNorm keeps no statistics).
+    ddp = DDP(model, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
+    if grad_compression == "bf16":
+        # Halves all-reduce bytes between nodes; gradients are averaged in bf16 (lossy).
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return ddp
+
+
 def resolve_precision(requested: str, device: torch.device) -> str:
     """bf16/fp16 autocast on GPU as asked; fp32 on CPU whatever the setting."""
     if device.type != "cuda":
