@@ -128,10 +128,13 @@ def test_two_workers_give_the_one_worker_hypotheses_in_source_order(assets, tmp_
     assert results[1] == _reference_hyps(assets, ctx)
     assert len(set(results[1])) > NUM_LINES // 2  # hypotheses differ by source: an order shift would show
 
-    # score reads translate's outputs (and encode's references) only: the chain holds together.
+    # score reads translate's hypotheses, encode's references, and the facts of average and train
+    # from those stages' own outputs: the chain holds together.
+    train_out = {"final_step": 20, "model_config": assets["cfg"].to_dict(), "wall_s": 0.0}
     score_ctx = StageContext(name="score", key="s", cfg=ctx.cfg, out_dir=str(tmp_path / "score"), inputs={
         "translate": Manifest(stage="translate", key="t", dir=ctx.out_dir, outputs=res.outputs),
-        "encode": ctx.inputs["encode"]})
+        "encode": ctx.inputs["encode"], "average": ctx.inputs["average"],
+        "train": Manifest(stage="train", key="tr", dir="", outputs=train_out)})
     scored = score.run(score_ctx)
     assert set(scored.metrics) == {"test/bleu_sacre", "test/bleu_tok_cs", "test/chrf"}
     report = (tmp_path / "score" / "report.md").read_text()
