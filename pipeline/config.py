@@ -233,6 +233,17 @@ class TrackingConfig:
     uri: str = op("")  # "" = $MLFLOW_TRACKING_URI, else sqlite:///<work_dir>/mlflow.db
     experiment: str = op("transformer-wmt14-ende")
     enabled: bool = op(True)
+    # Workers log metrics through a buffer a background thread delivers (pipeline.tracking): an
+    # outage of the server up to this long loses nothing; past it the oldest points are dropped
+    # (counted in the run's tag tracking/dropped_points).
+    buffer_s: float = op(1800.0)
+    # The driver's bookkeeping (creating, continuing and ending runs) waits this long for the
+    # server, then fails naming it.
+    timeout_s: float = op(300.0)
+
+    def validate(self) -> None:
+        _check(self.buffer_s >= 0, "tracking.buffer_s", "must be >= 0")
+        _check(self.timeout_s > 0, "tracking.timeout_s", "must be > 0")
 
 
 @dataclass

@@ -4,23 +4,28 @@ One parent run per workflow invocation; one run per (stage, cache key), continue
 stage reruns (see `Tracking`), and a small nested run for each stage served from cache.
 Embedded default: a SQLite store under the work dir (MLflow's file store is in maintenance mode
 in 3.x) with artifacts beside it; ``tracking.uri`` / ``MLFLOW_TRACKING_URI`` name a server.
-Ray workers log through ``RunLogger`` (picklable: a URI and a run id).
+Ray workers log through ``RunLogger`` (picklable: a URI and a run id); the training loop's
+metrics go through ``BufferedRunLogger``, whose thread does the waiting when the server is away.
+The driver's calls wait at most ``tracking.timeout_s`` for a server (``TrackingUnavailable``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from pipeline import storage
 from pipeline.config import Config
@@ -63,6 +68,73 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
                               "check tracking.uri / MLFLOW_TRACKING_URI") from e
 
 
+class TrackingUnavailable(ConnectionError):
+    """The tracking server did not answer a driver's call in time (or its retries ran out)."""
+
+
+class _BoundedClient:
+    """An `MlflowClient` whose calls to a server give up after `timeout_s`, naming the server.
+
+    MLflow's own HTTP retries (MLFLOW_HTTP_REQUEST_MAX_RETRIES, ..._BACKOFF_FACTOR, ..._TIMEOUT)
+    can wait several minutes; the driver's bookkeeping must fail in bounded time instead. A call
+    runs in a daemon thread joined with a deadline (a call past it is abandoned, not cancelled:
+    the driver is failing anyway)."""
+
+    def __init__(self, uri: str | None, timeout_s: float):
+        from mlflow import MlflowClient
+
+        self._client, self._uri, self._timeout_s = MlflowClient(uri), uri or "", timeout_s
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._client, name)
+        if not callable(fn) or not self._uri.startswith("http"):
+            return fn  # a local store answers or fails at once
+        return lambda *a, **kw: self._call(name, fn, a, kw)
+
+    def _call(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+                box["error"] = e
+
+        t = threading.Thread(target=target, name=f"mlflow-{name}", daemon=True)
+        t.start()
+        t.join(self._timeout_s)
+        if t.is_alive():
+            raise TrackingUnavailable(f"MLflow tracking server {self._uri} did not answer {name} within "
+                                      f"tracking.timeout_s={self._timeout_s:g} s; check the server or "
+                                      "tracking.uri / MLFLOW_TRACKING_URI")
+        if "error" in box:
+            e = box["error"]
+            if _is_connection_error(e):
+                raise TrackingUnavailable(f"MLflow tracking server {self._uri} failed {name} after MLflow's "
+                                          f"retries ({_short(e)}); check the server or tracking.uri") from e
+            raise e
+        return box.get("value")
+
+
+def _is_connection_error(e: BaseException) -> bool:
+    """A server that is away (refused, reset, timed out, 5xx after retries), not a wrong request."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(e, (OSError, requests.exceptions.RequestException)):
+        return True
+    if isinstance(e, MlflowException):
+        text = str(e)
+        return any(w in text for w in ("Max retries", "Connection", "connection", "timed out", "Timeout",
+                                       "503", "502", "500", "504"))
+    return False
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return text[:300]
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
@@ -86,21 +158,21 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
 class RunLogger:
     """Logs to one existing MLflow run from any process (Ray workers): picklable."""
 
-    def __init__(self, tracking_uri: str | None, run_id: str | None):
+    def __init__(self, tracking_uri: str | None, run_id: str | None, timeout_s: float = 300.0):
         self.tracking_uri = tracking_uri
         self.run_id = run_id
+        self.timeout_s = timeout_s
         self._client = None
         self._last_step: dict[str, int] = {}  # per key: the highest step MLflow holds
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "_client": None, "_last_step": {}}
+        return {"tracking_uri": self.tracking_uri, "run_id": self.run_id, "timeout_s": self.timeout_s,
+                "_client": None, "_last_step": {}}
 
     @property
     def client(self):
         if self._client is None:
-            from mlflow import MlflowClient
-
-            self._client = MlflowClient(self.tracking_uri)
+            self._client = _BoundedClient(self.tracking_uri, self.timeout_s)
         return self._client
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
@@ -110,22 +182,37 @@ class RunLogger:
         points (the replayed values are the same: the loop is deterministic from a checkpoint)."""
         if not self.run_id or not metrics:
             return
+        self._send(self.client, [(time.time(), step, metrics)])
+
+    def _send(self, client: Any, points: list[tuple[float, int | None, dict[str, float]]]) -> None:
+        """One `log_batch` of `points` ((time, step, metrics), in logging order), each key at a
+        step the run does not hold yet."""
         from mlflow.entities import Metric
 
-        if step is not None:
-            metrics = {k: v for k, v in metrics.items() if step > self._logged_up_to(k)}
-            if not metrics:
-                return
-        ts = int(time.time() * 1000)
-        batch = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=batch)
-        if step is not None:
-            self._last_step.update({k: step for k in metrics})
+        batch, sent = [], {}
+        for ts, step, metrics in points:
+            for k, v in metrics.items():
+                if step is not None and step <= sent.get(k, self._logged_up_to(client, k)):
+                    continue
+                batch.append(Metric(k, float(v), int(ts * 1000), step or 0))
+                if step is not None:
+                    sent[k] = step
+        if not batch:
+            return
+        try:
+            client.log_batch(self.run_id, metrics=batch)
+        except BaseException:
+            # The server may have stored the batch and lost only its answer: read what it holds
+            # again before the next try, so that a retry adds no duplicate point.
+            for k in sent:
+                self._last_step.pop(k, None)
+            raise
+        self._last_step.update(sent)
 
-    def _logged_up_to(self, key: str) -> int:
+    def _logged_up_to(self, client: Any, key: str) -> int:
         """The highest step of `key` in the run (-1: none), read from MLflow once per process."""
         if key not in self._last_step:
-            history = self.client.get_metric_history(self.run_id, key)
+            history = client.get_metric_history(self.run_id, key)
             self._last_step[key] = max((m.step for m in history), default=-1)
         return self._last_step[key]
 
@@ -163,6 +250,123 @@ class RunLogger:
             self.log_artifact(str(local), artifact_path)
 
 
+class BufferedRunLogger(RunLogger):
+    """`log_metrics` returns at once: the points wait in a queue that one thread delivers, in
+    logging order, in batches; the waiting for a server that is away happens there.
+
+    The thread sends with MLflow's client (its HTTP retries: MLFLOW_HTTP_REQUEST_MAX_RETRIES,
+    ..._BACKOFF_FACTOR), and when those run out it keeps the batch at the head of the queue and
+    tries again every `retry_s`, so an outage of any length up to `buffer_s` loses nothing.
+    Points older than `buffer_s` (or past `max_points`) are dropped oldest first, with a warning;
+    the count goes to the run's tag `tracking/dropped_points` once the server answers again. A
+    point is sent at most once per (key, step): after a failed call the thread re-reads what the
+    run holds (a lost answer to a stored batch is not stored twice). Not thread-safe for several
+    loggers of one run in one process (the loop has one, on rank 0)."""
+
+    DROPPED_TAG = "tracking/dropped_points"
+
+    def __init__(self, tracking_uri: str | None, run_id: str | None, buffer_s: float = 1800.0,
+                 retry_s: float = 5.0, max_points: int = 200_000, batch_points: int = 100):
+        super().__init__(tracking_uri, run_id)
+        self.buffer_s, self.retry_s, self.max_points, self.batch_points = buffer_s, retry_s, max_points, batch_points
+        self._queue: deque[tuple[int, float, int | None, dict[str, float]]] = deque()  # seq, time, step, metrics
+        self._seq = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.dropped = 0
+        self._dropped_tagged = 0
+        self._down_since: float | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("BufferedRunLogger holds a thread: make one per process (pickle a RunLogger)")
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if not self.run_id or not metrics:
+            return
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("BufferedRunLogger is closed")
+            self._seq += 1
+            self._queue.append((self._seq, time.time(), step, dict(metrics)))
+            if len(self._queue) > self.max_points:
+                self._drop(len(self._queue) - self.max_points, f"more than {self.max_points} points waiting")
+            self._cond.notify()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._deliver, name="mlflow-metrics", daemon=True)
+            self._thread.start()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def close(self, timeout_s: float = 60.0) -> bool:
+        """Deliver what is queued, waiting at most `timeout_s`; True when nothing is left."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        left = self.pending()
+        if left:
+            log.warning("tracking: %d metric point(s) not delivered to MLflow server %s (still away after "
+                        "%.0f s at the end of training); they are lost", left, self.tracking_uri, timeout_s)
+        return left == 0
+
+    def _drop(self, n: int, why: str) -> None:
+        """Drop the `n` oldest points (the caller holds the lock)."""
+        for _ in range(n):
+            self._queue.popleft()
+        self.dropped += n
+        log.warning("tracking: dropped the %d oldest metric point(s) (%s; %d dropped in all)", n, why, self.dropped)
+
+    def _deliver(self) -> None:
+        client = None
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                cutoff = time.time() - self.buffer_s
+                old = next((i for i, p in enumerate(self._queue) if p[1] >= cutoff), len(self._queue))
+                if old:
+                    self._drop(old, f"older than tracking.buffer_s={self.buffer_s:g} s")
+                points = list(itertools.islice(self._queue, self.batch_points))
+            try:
+                if client is None:
+                    from mlflow import MlflowClient
+
+                    client = MlflowClient(self.tracking_uri)
+                self._send(client, [p[1:] for p in points])
+                if self.dropped > self._dropped_tagged:
+                    client.set_tag(self.run_id, self.DROPPED_TAG, str(self.dropped))
+                    self._dropped_tagged = self.dropped
+            except Exception as e:  # noqa: BLE001 (any store error: keep the points, try again)
+                self._on_failure(e)
+                with self._cond:
+                    if not self._closing:
+                        self._cond.wait(self.retry_s)
+                    else:
+                        self._cond.wait(min(self.retry_s, 1.0))
+                continue
+            with self._cond:
+                while self._queue and self._queue[0][0] <= points[-1][0]:
+                    self._queue.popleft()
+            if self._down_since is not None:
+                log.warning("tracking: MLflow server %s answers again after %.0f s; delivering the buffered "
+                            "metrics (%d point(s) still queued)", self.tracking_uri,
+                            time.time() - self._down_since, self.pending())
+                self._down_since = None
+
+    def _on_failure(self, e: Exception) -> None:
+        if self._down_since is None:
+            self._down_since = time.time()
+            log.warning("tracking: MLflow server %s did not take metrics (%s); training goes on, the metrics "
+                        "wait (up to tracking.buffer_s=%g s) and are sent when it is back", self.tracking_uri,
+                        _short(e), self.buffer_s)
+
+
 class Tracking:
     """The workflow's MLflow session: a parent run per invocation, one run per (stage, cache key).
 
@@ -181,13 +385,15 @@ class Tracking:
         self.driver = f"{socket.gethostname()} pid {os.getpid()}"
         self.parent: RunLogger = RunLogger(None, None)
         self._experiment_id: str | None = None
+        self.timeout_s = cfg.tracking.timeout_s
+
+    def _client(self) -> _BoundedClient:
+        return _BoundedClient(self.uri, self.timeout_s)
 
     def _experiment(self) -> str:
-        import mlflow
-
         if self._experiment_id is not None:
             return self._experiment_id
-        client = mlflow.MlflowClient(self.uri)
+        client = self._client()
         exp = client.get_experiment_by_name(self.cfg.tracking.experiment)
         if exp is None:
             # MLflow 3's UI opens an experiment without this tag in its GenAI view (traces); this
@@ -202,9 +408,7 @@ class Tracking:
     def _runs(self, filter_string: str) -> list[Any]:
         """This work dir's runs matching `filter_string`, newest first (the work dir is compared
         here, not in the filter: a path may hold quotes)."""
-        import mlflow
-
-        runs = mlflow.MlflowClient(self.uri).search_runs(
+        runs = self._client().search_runs(
             [self._experiment()], filter_string, max_results=1000, order_by=["attributes.start_time DESC"])
         return [r for r in runs if r.data.tags.get("work_dir") == self.work_dir]
 
@@ -216,10 +420,8 @@ class Tracking:
         node) before it could end its runs."""
         if not self.enabled:
             return []
-        import mlflow
-
         check_reachable(self.uri)
-        client = mlflow.MlflowClient(self.uri)
+        client = self._client()
         ended = []
         for run in self._runs("attributes.status = 'RUNNING'"):
             owner = run.data.tags.get("driver", "an unknown driver")
@@ -240,13 +442,11 @@ class Tracking:
         if not self.enabled:
             yield self.parent
             return
-        import mlflow
-
         check_reachable(self.uri)
-        client = mlflow.MlflowClient(self.uri)
+        client = self._client()
         run = client.create_run(self._experiment(), run_name=self.cfg.run.name,
                                 tags={**self._base_tags(), **tags})
-        self.parent = RunLogger(self.uri, run.info.run_id)
+        self.parent = RunLogger(self.uri, run.info.run_id, self.timeout_s)
         self.parent.log_params(self.cfg.to_dict())
         self.parent.log_text(_toml_like(self.cfg.to_dict()), "config/resolved.toml")
         status = "FAILED"
@@ -269,9 +469,7 @@ class Tracking:
         if not self.enabled or not self.parent.run_id:
             yield RunLogger(None, None)
             return
-        import mlflow
-
-        client = mlflow.MlflowClient(self.uri)
+        client = self._client()
         previous = self._previous_run(stage, key)
         tags = {"mlflow.parentRunId": self.parent.run_id, "stage": stage, "cache_key": key,
                 "cached": str(cached).lower(), **self._base_tags()}
@@ -284,7 +482,7 @@ class Tracking:
                 client.set_tag(run_id, k, v)
             log.info("tracking: stage %s continues MLflow run %s (attempt %d; it ended %s)", stage, run_id,
                      attempt, previous.info.status)
-            logger = RunLogger(self.uri, run_id)
+            logger = RunLogger(self.uri, run_id, self.timeout_s)
         else:
             if cached and previous is not None:
                 tags["source_run_id"] = previous.info.run_id
@@ -292,7 +490,7 @@ class Tracking:
                 tags.update({"attempts": "1", "parent_run.1": self.parent.run_id})
             run = client.create_run(self._experiment(), run_name=f"{stage}{' (cached)' if cached else ''}",
                                     tags=tags)
-            logger = RunLogger(self.uri, run.info.run_id)
+            logger = RunLogger(self.uri, run.info.run_id, self.timeout_s)
             logger.log_params(params)
         self.parent.set_tags({f"cache_key.{stage}": key,
                               f"stage_run.{stage}": tags.get("source_run_id", logger.run_id)})

@@ -95,7 +95,7 @@ class Trainer:
         self.cadence = Cadence(self.tc, self.world, self.device, validates=self.validate is not None)
         self.start_step = 0  # the step this attempt resumed from
         self.metrics = TrainLog(self.progress, self.tc.max_steps, self.rank, self.world, self.device,
-                                spec.tracking_uri, spec.run_id)
+                                spec.tracking_uri, spec.run_id, self.cfg.tracking.buffer_s)
 
     def _setup_device(self, num_threads: int) -> None:
         if num_threads > 0:
@@ -155,6 +155,7 @@ class Trainer:
                     self._checkpoint()
         finally:
             feeder.close()
+            self.metrics.close()
         return self.summary()
 
     def _plan(self, epoch: int) -> list[np.ndarray]:

@@ -3,6 +3,9 @@
     with mlflow_server(tmp_path) as uri:   # http://127.0.0.1:PORT, SQLite store, served artifacts
         MlflowClient(uri)...
 
+    server = MlflowServer(tmp_path)        # the same, stoppable and restartable on its port
+    server.stop(); server.start()          # an outage: the store (SQLite) survives it
+
 Started on 127.0.0.1 on a free port with its own process session, stopped by process id.
 Starting it takes ~10-30 s (database migrations), so the fixture is per module.
 """
@@ -18,19 +21,42 @@ import pytest
 from tests.support.procs import BIN, free_port, start, stop, wait_http
 
 
+class MlflowServer:
+    """`mlflow server` on a fixed port; `stop()` and `start()` again for an outage."""
+
+    def __init__(self, tmp: Path, port: int | None = None):
+        self.tmp, self.port = tmp, port or free_port()
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        cmd = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--backend-store-uri", f"sqlite:///{self.tmp / 'mlflow.db'}",
+               "--serve-artifacts", "--artifacts-destination", str(self.tmp / "artifacts"), "--workers", "1"]
+        self.proc = start(cmd, self.tmp / "mlflow-server.log")
+        try:
+            wait_http(f"{self.uri}/health", timeout_s=180, proc=self.proc)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, timeout_s: float = 5) -> None:
+        if self.proc is not None:
+            stop(self.proc, timeout_s=timeout_s)  # uvicorn waits for open client connections; SQLite survives a kill
+            self.proc = None
+
+
 @contextmanager
 def mlflow_server(tmp: Path) -> Iterator[str]:
-    port = free_port()
-    cmd = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-           "--backend-store-uri", f"sqlite:///{tmp / 'mlflow.db'}",
-           "--serve-artifacts", "--artifacts-destination", str(tmp / "artifacts"), "--workers", "1"]
-    proc = start(cmd, tmp / "mlflow-server.log")
+    server = None
     try:
-        uri = f"http://127.0.0.1:{port}"
-        wait_http(f"{uri}/health", timeout_s=180, proc=proc)
-        yield uri
+        server = MlflowServer(tmp)
+        yield server.uri
     finally:
-        stop(proc, timeout_s=5)  # uvicorn waits for open client connections; SQLite survives a kill
+        if server is not None:
+            server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,108 @@
+"""The tracking server goes away mid-train and comes back: training never waits for it.
+
+The loop runs in-process (`LocalSession`, no Ray) against the suite's MLflow server
+(tests/support/mlflow_server.py). MLflow's HTTP retries are shortened (the env vars MLflow reads
+per request) so that the outage outlasts them, as a real one of minutes outlasts the defaults.
+Step times are read from the server afterwards: each point's timestamp is when the loop logged it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model import ModelConfig
+from pipeline.config import Config
+from pipeline.train.loop import LocalSession, LoopSpec, Trainer
+from pipeline.train.synthetic import write_reverse_task
+from tests.support.mlflow_server import MlflowServer
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 64
+OUTAGE_S = 12.0  # > MLflow's retries below (1 + 2 + 4 s of backoff)
+
+
+def spec_for(shards: Path, uri: str, run_id: str, max_steps: int) -> LoopSpec:
+    cfg = Config()
+    t = cfg.train
+    t.max_steps, t.tokens_per_step, t.max_tokens_per_batch, t.warmup_steps = max_steps, 400, 400, 8
+    t.log_interval_steps, t.eval_interval_steps, t.checkpoint_interval_steps = 2, 10**6, 10**6
+    mc = ModelConfig(vocab_size=VOCAB, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1,
+                     n_decoder_layers=1, dropout=0.1)
+    return LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(shards),
+                    tracking_uri=uri, run_id=run_id)
+
+
+def test_a_tracking_outage_costs_no_training_time(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    torch.set_num_threads(1)
+    shards = write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0)
+    server = MlflowServer(tmp_path / "mlflow")
+    try:
+        client = MlflowClient(server.uri)
+        run_id = client.create_run(client.create_experiment("outage")).info.run_id
+        trainer = Trainer(spec_for(shards, server.uri, run_id, max_steps=10**6), LocalSession(tmp_path / "ck"))
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.update(trainer.run()), daemon=True)
+        worker.start()
+        while trainer.progress.step < 40:
+            time.sleep(0.05)
+        server.stop(timeout_s=0)
+        down_at = trainer.progress.step
+        time.sleep(OUTAGE_S)
+        server.start()  # same port, same store
+        back_at = trainer.progress.step
+        time.sleep(2.0)
+        now = trainer.progress.step
+        end = now + 40 + now % 2
+        trainer.tc.max_steps = end  # stop at a known (even) step, a few windows after the server is back
+        worker.join(timeout=120)
+        assert not worker.is_alive()
+        assert result["final_step"] == end
+        assert back_at - down_at > 20, "training stalled while the server was away"
+
+        history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
+        steps = [m.step for m in history]
+        assert steps == list(range(2, end + 1, 2)), "every logged step exactly once, none lost"
+        expected = {int(s): loss for s, loss, _, _ in trainer.progress.history_train}
+        assert {m.step: m.value for m in history} == pytest.approx(expected, rel=1e-12)
+        # Time between two logged steps, by the loop's own clock (the points' timestamps):
+        # while the server was down no window took longer than the usual ones.
+        ts = np.array([m.timestamp for m in history], dtype=float) / 1000
+        gaps = np.diff(ts)
+        during = gaps[down_at // 2:back_at // 2]
+        assert len(during) > 5
+        usual = float(np.median(gaps))
+        print(f"OUTAGE steps {down_at}->{back_at} max gap {during.max():.3f} s usual {usual:.3f} s")
+        assert during.max() < 5 * usual + 1.0, (during.max(), usual)
+        assert "tracking/dropped_points" not in client.get_run(run_id).data.tags
+    finally:
+        server.stop()
+
+
+def test_driver_calls_to_a_silent_server_fail_in_bounded_time():
+    """A server that takes connections and never answers: the driver's call gives up after
+    tracking.timeout_s, naming the server (MLflow alone would wait 7 retries x 120 s)."""
+    import socket
+
+    from pipeline.tracking import RunLogger, TrackingUnavailable
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(TrackingUnavailable, match=f"MLflow tracking server {uri} did not answer set_tag "
+                                                      r"within tracking.timeout_s=2 s"):
+            RunLogger(uri, "0" * 32, timeout_s=2.0).set_tags({"a": "b"})
+        assert time.monotonic() - t0 < 10
