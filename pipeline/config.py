@@ -153,6 +153,10 @@ class TrainConfig:
     compile_backend: str = op("inductor")  # torch.compile backend ("aot_eager": capture only, for tests)
     grad_compression: str = op("none")  # "bf16": DDP all-reduces gradients in bf16 (multi-node)
     checkpoint_upload: str = op("async")  # "async": upload in the background (Ray Train ASYNC); "sync"
+    # SIGTERM (a spot/preemptible VM's or Kubernetes' notice) -> a checkpoint at the next agreed
+    # step boundary if a step + a save fit in this many seconds, then the group stops and the run
+    # resumes there (pipeline.train.preemption). 0 = off: SIGTERM ends the worker at once.
+    preemption_grace_s: float = op(25.0)
 
     def validate(self) -> None:
         _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
@@ -174,6 +178,7 @@ class TrainConfig:
         _check(self.cpus_per_worker >= 0, "train.cpus_per_worker", "must be >= 0 (0 = auto)")
         _check(self.grad_compression in ("none", "bf16"), "train.grad_compression", "must be none or bf16")
         _check(self.checkpoint_upload in ("async", "sync"), "train.checkpoint_upload", "must be async or sync")
+        _check(self.preemption_grace_s >= 0, "train.preemption_grace_s", "must be >= 0 (0 = off)")
 
 
 @dataclass

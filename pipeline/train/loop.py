@@ -34,6 +34,7 @@ from model import ModelConfig, Transformer, make_optimizer, make_scheduler
 from pipeline.config import from_dict as config_from_dict
 from pipeline.train import batching
 from pipeline.train import checkpoint as train_checkpoint
+from pipeline.train import preemption
 from pipeline.train.cadence import Cadence
 from pipeline.train.checkpoint import Progress
 from pipeline.train.corpus import load_corpus, load_shared_corpus
@@ -134,8 +135,10 @@ class Trainer:
         window, t_attempt, time_base = Window(), time.perf_counter(), p.train_time_s
         feeder = Feeder(HostBatcher(self.train_data, self.mcfg, self.rank, self.world, tc.max_tokens_per_batch,
                                     self.device), prefetch=tc.prefetch)
+        notice = preemption.Agreement(tc.preemption_grace_s, self.rank, self.world) if tc.preemption_grace_s else None
         try:
             while p.step < tc.max_steps:
+                t_step = time.perf_counter()
                 if p.step_in_epoch >= len(plan):
                     p.epoch, p.step_in_epoch = p.epoch + 1, 0
                     plan = self._plan(p.epoch)
@@ -151,10 +154,17 @@ class Trainer:
                     window = Window()
                 if self.cadence.validates_at(p.step):
                     self._validate(model)
+                if notice is not None:  # before the interval checkpoint: this one is synchronous
+                    preemption.stop_if_noticed(notice, time.perf_counter() - t_step, p.step,
+                                               lambda: self._checkpoint(sync=True), self.session)
                 if self.cadence.checkpoints_at(p.step):
-                    self._checkpoint()
+                    save_s = self._checkpoint()
+                    if notice is not None:
+                        notice.observe(save_s=save_s)
         finally:
             feeder.close()
+            if notice is not None:
+                notice.close()
             self.metrics.close()
         return self.summary()
 
@@ -191,9 +201,10 @@ class Trainer:
         self.metrics.log(m)
         log.info("step %d/%d | val loss %.4f | val ppl %.2f", p.step, self.tc.max_steps, m["val/loss"], m["val/ppl"])
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, sync: bool = False) -> float:
+        """The seconds the loop waited (`sync`: the upload included)."""
         p, t0 = self.progress, time.perf_counter()
-        upload_async = self.tc.checkpoint_upload == "async"
+        upload_async = self.tc.checkpoint_upload == "async" and not sync
         extra = {"seed": self.tc.seed, "world_size": self.world, "num_dropped": self.num_dropped}
         train_checkpoint.report(
             self.session, p.step, {"step": p.step, "epoch": p.epoch, **self.metrics.last}, upload_async,
@@ -205,6 +216,7 @@ class Trainer:
             log.info("step %d/%d | checkpoint %s (%s upload; the loop waited %.2f s)", p.step, self.tc.max_steps,
                      train_checkpoint.checkpoint_dir_name(p.step), "background" if upload_async else "synchronous",
                      time.perf_counter() - t0)
+        return time.perf_counter() - t0
 
     def summary(self) -> dict[str, Any]:
         p = self.progress

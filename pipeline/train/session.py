@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import shutil
+import time
 from pathlib import Path
 from typing import Any, ContextManager, Iterator, Protocol
 
@@ -100,6 +101,15 @@ class RaySession:
         mode = CheckpointUploadMode.ASYNC if upload_async else CheckpointUploadMode.SYNC
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=dir_name if checkpoint else None,
                          checkpoint_upload_mode=mode, checkpoint_upload_fn=upload_fn if checkpoint else None)
+
+    def flush_reports(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until the controller has taken this worker's reports: a
+        group that stops right after a report would otherwise stop before it is registered."""
+        from ray.train.v2._internal.execution.context import get_train_context  # no public API for it
+
+        queue, deadline = get_train_context().get_result_queue(), time.monotonic() + timeout_s
+        while not queue.empty() and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def before_step(self, step: int) -> None:
         pass

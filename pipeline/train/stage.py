@@ -31,6 +31,7 @@ from pipeline.ray_env import ensure_ray, node_cpus
 from pipeline import storage
 from pipeline.train import batching
 from pipeline.train import checkpoint as train_checkpoint
+from pipeline.train import preemption
 from pipeline.config import Config
 from pipeline.stage import StageContext, StageResult
 from pipeline.train.corpus import id_range, load_lengths, shard_files
@@ -178,6 +179,7 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
         run_config=RunConfig(
             name=run_name, storage_path=storage_path,
             failure_config=FailureConfig(max_failures=tc.max_failures),
+            callbacks=[preemption.ray_worker_callback()] if tc.preemption_grace_s else [],
             checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints)),
     )
     log.info("train: Ray Train run %s under %s, %d %s worker(s), %d CPU(s) each", run_name, storage_path,
