@@ -202,3 +202,47 @@ def test_killed_driver_resumes_from_its_checkpoint(ray_local, shards, baseline, 
     got = torch.load(Path(out["checkpoints"][-1]) / "model.pt", weights_only=True)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_sigterm_to_a_worker_checkpoints_that_step_and_the_run_resumes_there(ray_local, shards, baseline,
+                                                                             tmp_path):
+    """A preemption notice (SIGTERM) to one worker process between checkpoints 10 and 20: the group
+    checkpoints at the next agreed step boundary (the signal's step + 1 on two workers), stops, and
+    Ray Train's restart resumes there; the result is the uninterrupted run's."""
+    import re
+    import threading
+
+    from ray.util.state import list_actors
+
+    cfg = make_config(tmp_path)
+    ctx = make_context(cfg, "preempted", shards)
+    run_dir = Path(train.storage_path_for(cfg)) / ctx.key
+    sent: dict = {}
+
+    def preempt() -> None:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "checkpoint_0000010").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")], detail=True)
+        sent["pid"] = workers[-1].pid
+        os.kill(sent["pid"], signal.SIGTERM)
+
+    watcher = threading.Thread(target=preempt, daemon=True)
+    watcher.start()
+    out = train.run(ctx).outputs
+    watcher.join(5)
+    assert "pid" in sent and out["final_step"] == 30
+    logs = "\n".join(p.read_text(errors="replace") for p in
+                     Path(ray_local._private.worker._global_node.get_session_dir_path(), "logs").rglob("worker-*")
+                     if p.is_file())
+    signalled = [int(s) for s in re.findall(r"got SIGTERM during step (\d+)", logs)]
+    stopped = re.findall(r"the group stops at step (\d+) after a checkpoint", logs)
+    assert len(signalled) == 1 and 10 <= signalled[0] < 20, signalled
+    # The step in progress when the notice came, and at most one more (the agreement), are saved.
+    assert [int(s) for s in stopped] == [signalled[0] + 1]
+    assert out["resumed_from_step"] == signalled[0] + 1
+    assert_complete_checkpoints(run_dir)
+    want = torch.load(Path(baseline[1].outputs["checkpoints"][-1]) / "model.pt", weights_only=True)
+    got = torch.load(Path(out["checkpoints"][-1]) / "model.pt", weights_only=True)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
