@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import tomllib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,7 +121,11 @@ class ModelSection:
 class TrainConfig:
     """The paper's training recipe (§5) on Ray Train (``train``)."""
 
-    num_workers: int = op(8)  # Ray Train workers (one per GPU); accumulation keeps tokens/step fixed
+    # Ray Train workers (one per GPU); accumulation keeps tokens/step fixed. N, or [min, max]:
+    # elastic (pipeline.train.elastic): the group shrinks to the workers left when one is lost,
+    # and grows back when capacity returns, checked every elastic_resize_interval_s.
+    num_workers: int | list[int] = op(8)
+    elastic_resize_interval_s: float = op(60.0)  # Ray's ScalingConfig(elastic_resize_monitor_interval_s)
     use_gpu: bool = op(True)
     precision: str = op("bf16")  # "bf16" | "fp16" | "fp32"; fp32 is forced on CPU
     max_tokens_per_batch: int = op(12500)  # per worker micro-batch cap (src or tgt tokens)
@@ -159,7 +164,14 @@ class TrainConfig:
     preemption_grace_s: float = op(25.0)
 
     def validate(self) -> None:
-        _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
+        if isinstance(self.num_workers, list):
+            _check(len(self.num_workers) == 2, "train.num_workers", f"a range is [min, max], got {self.num_workers}")
+            _check(self.num_workers[0] >= 1, "train.num_workers", f"min must be >= 1, got {self.num_workers}")
+            _check(self.num_workers[0] <= self.num_workers[1], "train.num_workers",
+                   f"min must be <= max, got {self.num_workers}")
+        else:
+            _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
+        _check(self.elastic_resize_interval_s >= 0, "train.elastic_resize_interval_s", "must be >= 0")
         _check(self.precision in ("bf16", "fp16", "fp32"), "train.precision", "must be bf16, fp16 or fp32")
         _check(self.max_tokens_per_batch > 0, "train.max_tokens_per_batch", "must be > 0")
         _check(self.tokens_per_step > 0, "train.tokens_per_step", "must be > 0")
@@ -306,6 +318,15 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     The one coercer of the project: config sections, `serve run` arguments and the translate
     CLI all go through it (`typed_fields`), so a key's errors read the same everywhere."""
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):  # e.g. int | list[int]: the first type that fits
+        for option in typing.get_args(tp):
+            try:
+                return coerce(value, option, key)
+            except ConfigError:
+                pass
+        names = " or ".join(getattr(o, "__name__", str(o)) if typing.get_origin(o) is None else str(o)
+                            for o in typing.get_args(tp))
+        raise ConfigError(f"{key}: expected {names}, got {type(value).__name__} {value!r}")
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if isinstance(value, str):  # from the command line: comma-separated

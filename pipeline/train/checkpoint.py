@@ -46,6 +46,7 @@ class Progress:
     tokens_src: int = 0  # non-pad source tokens trained on (all workers)
     tokens_tgt: int = 0  # target tokens trained on (all workers)
     train_time_s: float = 0.0  # wall time in the loop, summed over attempts (up to each checkpoint)
+    world_size: int = 0  # workers of the attempt that wrote the checkpoint (0: not recorded)
     # Learning curves for the plots: [step, loss, nll, lr] per log line, [step, loss, nll] per eval.
     history_train: list[list[float]] = field(default_factory=list)
     history_val: list[list[float]] = field(default_factory=list)

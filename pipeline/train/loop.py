@@ -34,7 +34,7 @@ from model import ModelConfig, Transformer, make_optimizer, make_scheduler
 from pipeline.config import from_dict as config_from_dict
 from pipeline.train import batching
 from pipeline.train import checkpoint as train_checkpoint
-from pipeline.train import preemption
+from pipeline.train import elastic, preemption
 from pipeline.train.cadence import Cadence
 from pipeline.train.checkpoint import Progress
 from pipeline.train.corpus import load_corpus, load_shared_corpus
@@ -128,6 +128,7 @@ class Trainer:
         model = distributed(self.forward_model, self.device, self.world, self.tc.grad_compression)
         p, tc = self.progress, self.tc
         plan = self._plan(p.epoch)
+        self._log_start(plan)
         if self.rank == 0:
             log.info("training from step %d to %d on %d worker(s), %s; %d pairs kept, %d dropped "
                      "(> train.max_len=%d pieces); %d steps in epoch %d", p.step, tc.max_steps, self.world,
@@ -167,6 +168,16 @@ class Trainer:
                 notice.close()
             self.metrics.close()
         return self.summary()
+
+    def _log_start(self, plan: list[np.ndarray]) -> None:
+        """World size and accumulation at the resume step (elastic runs change them)."""
+        p = self.progress
+        previous_world, p.world_size = p.world_size or None, self.world
+        if p.step_in_epoch < len(plan):
+            d = self.train_data
+            accum = batching.split_step(plan[p.step_in_epoch], d.src_len, d.tgt_len, self.world,
+                                        self.tc.max_tokens_per_batch).accum
+            elastic.log_start(self.metrics.tracker, self.rank, p.step, self.world, accum, previous_world)
 
     def _plan(self, epoch: int) -> list[np.ndarray]:
         d = self.train_data

@@ -31,7 +31,7 @@ from pipeline.ray_env import ensure_ray, node_cpus
 from pipeline import storage
 from pipeline.train import batching
 from pipeline.train import checkpoint as train_checkpoint
-from pipeline.train import preemption
+from pipeline.train import elastic, preemption
 from pipeline.config import Config
 from pipeline.stage import StageContext, StageResult
 from pipeline.train.corpus import id_range, load_lengths, shard_files
@@ -83,7 +83,10 @@ def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str) -> dic
                               f"kept pair ({longest_padded} padded tokens): raise it or lower train.max_len")
     rows = np.flatnonzero(keep)
     plan = batching.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
-    accum = [batching.split_step(g, src_len, tgt_len, tc.num_workers, tc.max_tokens_per_batch).accum
+    # With a range, the smallest group: the most micro-batches per worker (workers split each step
+    # by the world size they have at each (re)start, never by this number).
+    workers = elastic.worker_range(cfg)[0]
+    accum = [batching.split_step(g, src_len, tgt_len, workers, tc.max_tokens_per_batch).accum
              for g in plan[:50]]
     stats = {"num_pairs": len(src_len), "num_kept": num_kept, "num_dropped_too_long": len(src_len) - num_kept,
              "steps_per_epoch": len(plan), "mean_tgt_tokens_per_step":
@@ -94,11 +97,11 @@ def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str) -> dic
              num_kept, stats["num_dropped_too_long"], tc.max_len)
     log.info("train: %d steps per epoch, %.0f target tokens and %.0f pairs per step; %d worker(s) x "
              "%.1f micro-batch(es) on average (max %d) under %d padded tokens each", len(plan),
-             stats["mean_tgt_tokens_per_step"], stats["mean_pairs_per_step"], tc.num_workers,
+             stats["mean_tgt_tokens_per_step"], stats["mean_pairs_per_step"], workers,
              stats["accum_mean"], stats["accum_max"], tc.max_tokens_per_batch)
-    if stats["mean_pairs_per_step"] < tc.num_workers:
+    if stats["mean_pairs_per_step"] < elastic.worker_range(cfg)[1]:
         log.warning("train: fewer pairs per step (%.1f) than workers (%d): some workers idle each step",
-                    stats["mean_pairs_per_step"], tc.num_workers)
+                    stats["mean_pairs_per_step"], elastic.worker_range(cfg)[1])
     return stats
 
 
@@ -152,11 +155,13 @@ def cpus_per_worker(cfg: Config, use_gpu: bool) -> int:
         return 1
     per_node = node_cpus()
     total, largest = sum(per_node), max(per_node, default=1)
-    return max(1, int(min(total // cfg.train.num_workers, largest)))
+    # A range: shared out over the most workers, so that the largest group fits.
+    return max(1, int(min(total // elastic.worker_range(cfg)[1], largest)))
 
 
 def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
     """Run (or resume) the Ray Train run `run_name`; the `Result`."""
+    import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -168,12 +173,13 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
     if not use_gpu and tc.precision != "fp32":
         log.info("train: CPU training runs in fp32 (train.precision=%s applies on GPU only)", tc.precision)
     cpus = cpus_per_worker(cfg, use_gpu)
+    elastic.check_cluster(cfg, ray.nodes(), use_gpu, cpus)
     spec.num_threads = 0 if use_gpu else cpus
     trainer = TorchTrainer(
         train_fn_per_worker,
         train_loop_config=spec.to_dict(),
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=tc.num_workers, use_gpu=use_gpu,
+        scaling_config=ScalingConfig(**elastic.scaling_kwargs(cfg), use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cpus, **({"GPU": 1} if use_gpu else {})},
                                      placement_strategy=tc.placement_strategy),
         run_config=RunConfig(
@@ -182,7 +188,7 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
             callbacks=[preemption.ray_worker_callback()] if tc.preemption_grace_s else [],
             checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints)),
     )
-    log.info("train: Ray Train run %s under %s, %d %s worker(s), %d CPU(s) each", run_name, storage_path,
+    log.info("train: Ray Train run %s under %s, %s %s worker(s), %d CPU(s) each", run_name, storage_path,
              tc.num_workers, "GPU" if use_gpu else "CPU", cpus)
     return trainer.fit()
 
@@ -241,8 +247,10 @@ def run(ctx: StageContext) -> StageResult:
                  "data": stats, "precision": summary.get("precision"),
                  "resumed_from_step": int(summary.get("start_step", 0)),
                  # For the score report: the compute this result cost (loop time x workers).
-                 "num_workers": ctx.cfg.train.num_workers, "device": "GPU" if on_gpu else "CPU",
-                 "gpu_hours": float(summary.get("train_time_s", 0.0)) * ctx.cfg.train.num_workers / 3600
+                 # The last attempt's group (an elastic run may have changed size on the way).
+                 "num_workers": int(summary.get("world_size") or elastic.worker_range(ctx.cfg)[1]),
+                 "device": "GPU" if on_gpu else "CPU",
+                 "gpu_hours": float(summary.get("train_time_s", 0.0)) * int(summary.get("world_size") or 1) / 3600
                  if on_gpu else 0.0},
         metrics=metrics)
 
