@@ -46,8 +46,19 @@ def test_head_runs_no_ray_work_and_workers_hold_eight_gpus(raw):
     types = raw["available_node_types"]
     assert types["head"]["resources"] == {"CPU": 0}
     workers = types["gpu_workers"]
-    assert workers["min_workers"] == workers["max_workers"] == raw["max_workers"] == 1
+    assert workers["min_workers"] == workers["max_workers"] == 1
     assert workers["node_config"]["InstanceType"] in ("p4d.24xlarge", "p5.48xlarge")  # 8 GPUs each
+    assert "InstanceMarketOptions" not in workers["node_config"]  # on-demand
+
+
+def test_a_spot_gpu_type_of_the_same_kind_starts_at_zero(raw):
+    types = raw["available_node_types"]
+    spot = types["gpu_workers_spot"]
+    assert spot["min_workers"] == 0 and spot["max_workers"] >= 1
+    assert spot["node_config"]["InstanceMarketOptions"] == {"MarketType": "spot"}
+    # An elastic group must not mix GPU kinds (pipeline.train.elastic.check_cluster).
+    assert spot["node_config"]["InstanceType"] == types["gpu_workers"]["node_config"]["InstanceType"]
+    assert raw["max_workers"] == types["gpu_workers"]["max_workers"] + spot["max_workers"]
 
 
 def test_services_are_not_exposed_and_token_auth_is_on(raw):
