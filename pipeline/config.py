@@ -216,6 +216,20 @@ class EvalConfig:
     # GNMT length penalty); "ctranslate2" = the `export` stage's CTranslate2 model (the fast path).
     backend: str = "torch"
     ct2_quantization: str = "int8"  # the exported CTranslate2 model the backend runs: "float32" | "int8"
+    # Which checkpoints `average` averages: "last" (§6.1: the last eval.average_last) or
+    # "best_dev_bleu" (the eval.average_last kept checkpoints with the highest dev sacreBLEU).
+    average_select: str = "last"
+    # Dev BLEU per registered checkpoint while training runs (Ray Train's asynchronous validation,
+    # pipeline/evaluate/dev_bleu.py). Operational for `train` (no key reads the eval section);
+    # the four settings below decide the numbers, so `average` keys on them when it selects by them.
+    dev_bleu: bool = op(True)
+    dev_bleu_sentences: int = 0  # 0 = the whole dev split; else its first N sentences
+    dev_bleu_engine: str = "ctranslate2"  # "ctranslate2" (converted in the task) | "torch" (our beam search)
+    dev_bleu_quantization: str = "int8"  # the CTranslate2 model the task converts: "int8" | "float32"
+    dev_bleu_beam_size: int = 0  # 0 = eval.beam_size (with eval.alpha, max_len_a/b); 1 = greedy
+    # Ray resources of the validation task, "CPU=4" or "GPU=1,CPU=2": its CPUs are its decoding
+    # threads; CPU=0 reserves none (it time-shares the training's cores, one thread).
+    dev_bleu_resources: str = op("CPU=1")
 
     def validate(self) -> None:
         _check(self.backend in ("torch", "ctranslate2"), "eval.backend", "must be 'torch' or 'ctranslate2'")
@@ -229,6 +243,15 @@ class EvalConfig:
         _check(self.max_sentences >= 0, "eval.max_sentences", "must be >= 0 (0 = all)")
         _check(bool(self.splits) and set(self.splits) <= {"test", "dev"}, "eval.splits",
                "must be a non-empty subset of ['test', 'dev']")
+        _check(self.average_select in ("last", "best_dev_bleu"), "eval.average_select",
+               "must be 'last' or 'best_dev_bleu'")
+        _check(self.dev_bleu_sentences >= 0, "eval.dev_bleu_sentences", "must be >= 0 (0 = all)")
+        _check(self.dev_bleu_engine in ("ctranslate2", "torch"), "eval.dev_bleu_engine",
+               "must be 'ctranslate2' or 'torch'")
+        _check(self.dev_bleu_quantization in ("float32", "int8"), "eval.dev_bleu_quantization",
+               "must be 'float32' or 'int8'")
+        _check(self.dev_bleu_beam_size >= 0, "eval.dev_bleu_beam_size", "must be >= 0 (0 = eval.beam_size)")
+        parse_resources(self.dev_bleu_resources, "eval.dev_bleu_resources")
 
 
 @dataclass
@@ -305,6 +328,21 @@ class Config:
 
 # scheme://<anything but / ? # @>@...: a user, a key or a user:secret pair before the host.
 _CREDENTIALS_IN_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s]+@")
+
+
+def parse_resources(text: str, key: str) -> dict[str, float]:
+    """"GPU=1,CPU=2" -> {"GPU": 1.0, "CPU": 2.0}; a bad entry is a ConfigError naming `key`."""
+    out: dict[str, float] = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        name, sep, amount = item.partition("=")
+        try:
+            value = float(amount)
+        except ValueError:
+            value = -1.0
+        _check(bool(sep) and bool(name.strip()) and value >= 0, key,
+               f"expected NAME=amount entries like 'CPU=1' or 'GPU=1,CPU=2', got {item!r}")
+        out[name.strip()] = value
+    return out
 
 
 def _check(ok: bool, key: str, why: str) -> None:

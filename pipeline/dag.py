@@ -18,6 +18,10 @@ _DATA_SOURCE = ("data.source", "data.src_lang", "data.tgt_lang", "data.mirror",
 _CLEANING = ("data.max_words", "data.max_length_ratio", "data.dedup",
              "data.max_pairs_per_corpus", "data.num_shards")
 
+_DEV_BLEU = ("eval.average_select", "eval.dev_bleu_sentences", "eval.dev_bleu_engine",
+             "eval.dev_bleu_quantization", "eval.dev_bleu_beam_size", "eval.beam_size", "eval.alpha",
+             "eval.max_len_a", "eval.max_len_b")
+
 STAGES: tuple[Stage, ...] = (
     Stage("download", "1", _DATA_SOURCE, (), "pipeline.data.download:run", checksum_files=False),
     Stage("prepare", "1", _CLEANING, ("download",), "pipeline.data.prepare:run"),
@@ -26,7 +30,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("train", "1", ("model", "train"), ("encode", "vocab"), "pipeline.train.stage:run",
           resumable=True, checksum_files=False, forget="pipeline.train.stage:forget_run",
           resume="pipeline.train.resume:resume_point"),
-    Stage("average", "1", ("eval.average_last",), ("train",), "pipeline.evaluate.average:run"),
+    # Selecting by dev BLEU reads the settings that decide those numbers ("last" keeps its key).
+    Stage("average", "1", ("eval.average_last",), ("train",), "pipeline.evaluate.average:run",
+          reads_if=(("eval.average_select", "best_dev_bleu", _DEV_BLEU),)),
     Stage("export", "1", (), ("average", "vocab"), "pipeline.serve.export:run"),
     Stage("translate", "1", ("eval.beam_size", "eval.alpha", "eval.max_len_a", "eval.max_len_b",
                              "eval.splits", "eval.max_sentences", "eval.backend", "eval.ct2_quantization"),

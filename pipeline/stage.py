@@ -108,6 +108,9 @@ class Stage:
     forget: str | None = None  # "module:function(cfg, key)" that drops resumable state when forced
     checksum_files: bool = True  # sha256 every output file in the manifest
     resume: str | None = None  # "module:function(cfg, key)" -> (what a rerun does, when) for --plan
+    # Keys read only in one mode: ((key, value, extra reads), ...) adds the extra reads when
+    # cfg's `key` equals `value` (so the other modes keep the keys they had).
+    reads_if: tuple[tuple[str, Any, tuple[str, ...]], ...] = ()
 
     def load(self) -> Callable[[StageContext], StageResult]:
         return self._resolve(self.impl)
@@ -138,7 +141,12 @@ class Stage:
     def key_material(self, cfg: Config) -> dict[str, Any]:
         """The config values this stage reads (operational ``cache=False`` fields left out)."""
         out: dict[str, Any] = {}
-        for item in self.reads:
+        reads = list(self.reads)
+        for key, value, extra in self.reads_if:
+            section, name = key.split(".", 1)
+            if getattr(getattr(cfg, section), name) == value:
+                reads += [r for r in extra if r not in reads]
+        for item in reads:
             if "." in item:
                 section, key = item.split(".", 1)
                 out[item] = cfg.section_for_cache(section)[key]

@@ -72,6 +72,7 @@ def variant_config(row: str, configs: list[str], overrides: list[str]) -> Config
 def run_variant(row: str, cfg: Config) -> dict[str, Any]:
     """Plan (now: earlier rows' stages are cached by then) and run one row; its table entry."""
     from pipeline.evaluate.bleu import paper_metric
+    from pipeline.evaluate.dev_bleu import table3_dev_bleu
     from pipeline.tracking import Tracking
     from pipeline.train.size import num_parameters
 
@@ -85,7 +86,9 @@ def run_variant(row: str, cfg: Config) -> dict[str, Any]:
     return {"row": row, "params": num_parameters(cfg), "ppl_dev": manifests["train"].metrics.get("val/final_ppl"),
             "bleu_dev": dev[key], "bleu_metric": key, "bleu_sacre_dev": dev["bleu_sacre"],
             "train_steps": manifests["train"].outputs["final_step"], "train_key": manifests["train"].key,
-            "ran": sorted(p.stage.name for p in plans if p.action == "run")}
+            "ran": sorted(p.stage.name for p in plans if p.action == "run"),
+            # The row's own dev BLEU from training (its final checkpoint), when it was validated.
+            **table3_dev_bleu(manifests["train"].outputs, key)}
 
 
 def _num(x: Any, fmt: str) -> str:

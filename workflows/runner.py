@@ -153,7 +153,19 @@ def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
                                manifest=manifest if action == "cached" else None))
         digests[s.name] = manifest_digest(manifest) if (manifest and action == "cached") else None
     _check_inputs(plans, selected)
+    _check_checkpoints(cfg, plans)
     return plans
+
+
+def _check_checkpoints(cfg: Config, plans: list[StagePlan]) -> None:
+    """Before any training: can the train run about to start leave what `average` needs?"""
+    from pipeline.evaluate.selection import plan_check
+
+    by_name = {p.stage.name: p for p in plans}
+    if by_name["train"].action == "run" and by_name["average"].action != "skip":
+        note = plan_check(cfg)  # a ConfigError naming the keys when the step interval decides
+        if note:
+            by_name["train"].reason += f"; {note}"
 
 
 def _check_inputs(plans: list[StagePlan], selected: list[str]) -> None:

@@ -1,4 +1,11 @@
-"""``average``: the element-wise mean of the last N training checkpoints (§6.1: N = 5 for base).
+"""``average``: the element-wise mean of N training checkpoints (§6.1: the last 5 for base).
+
+``eval.average_select`` says which N (``pipeline.evaluate.selection``): "last" (the paper's), or
+"best_dev_bleu": the N kept checkpoints with the highest dev sacreBLEU. Their scores come from the
+train run's dev BLEU records (``pipeline.evaluate.dev_bleu``, made while it trained) when they
+were made with this config's dev BLEU settings; a kept checkpoint without one (skipped, failed,
+other settings, or dev BLEU off) is scored here, in-process, and its record written beside the
+others. ``averaged.json`` lists every kept checkpoint's dev BLEU and whether it was averaged.
 
 Reads ``train.outputs["checkpoints"]`` (kept checkpoint folders, oldest first; each holds
 ``model.pt`` and ``meta.json``) and writes ``model.pt`` (the averaged ``state_dict``),
@@ -14,12 +21,18 @@ from __future__ import annotations
 
 import io
 import logging
+import tempfile
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from model import ModelConfig, average_checkpoints
 from pipeline import storage
+from pipeline.config import Config
+from pipeline.evaluate import dev_bleu
+from pipeline.evaluate.selection import select_best, select_last
 from pipeline.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
@@ -27,13 +40,43 @@ log = logging.getLogger(__name__)
 
 def select_checkpoints(checkpoints: list[str], average_last: int) -> list[str]:
     """The last ``average_last`` of ``checkpoints`` (oldest first); too few is a ValueError."""
-    if len(checkpoints) < average_last:
-        raise ValueError(
-            f"eval.average_last = {average_last} but train kept only {len(checkpoints)} "
-            f"checkpoint(s) ({', '.join(checkpoints) or 'none'}). §6.1 averages the last 5: train "
-            f"longer / keep more (train.keep_checkpoints), or say --eval.average_last={max(len(checkpoints), 1)} "
-            f"to average what exists.")
-    return list(checkpoints[-average_last:])
+    return select_last(checkpoints, average_last)
+
+
+def dev_scores(cfg: Config, train: dict[str, Any], checkpoints: list[str]) -> dict[str, dict[str, Any]]:
+    """checkpoint uri -> its dev BLEU record under this config's settings, scoring the missing ones."""
+    dev = train.get("dev_bleu") or {}
+    run_dir = dev.get("run_dir") or storage.join(train["storage_path"], train["run_name"])
+    settings = dev_bleu.DevBleuSettings.from_config(cfg)
+    known = dev_bleu.scores_for(dev_bleu.read_records(run_dir), settings)
+    out = {}
+    for uri in checkpoints:
+        name = uri.rstrip("/").rsplit("/", 1)[-1]
+        if name not in known:
+            known[name] = _score_here(cfg, dev, run_dir, uri, name, settings)
+        out[uri] = known[name]
+    return out
+
+
+def _score_here(cfg: Config, dev: dict[str, Any], run_dir: str, uri: str, name: str,
+                settings: dev_bleu.DevBleuSettings) -> dict[str, Any]:
+    if not dev.get("dev_dir") or not dev.get("spm"):
+        raise ValueError(f"eval.average_select = 'best_dev_bleu': {name} has no dev BLEU with the settings "
+                         f"{settings.to_dict()} and the train stage recorded no dev split / SentencePiece "
+                         "model to score it with (rerun train with eval.dev_bleu = true)")
+    threads = max(1, torch.get_num_threads())
+    log.info("average: scoring %s on dev here (%d threads): train has no dev BLEU for it with %s", name,
+             threads, settings.to_dict())
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in ("model.pt", "meta.json"):
+            storage.upload(storage.local_copy(storage.join(uri, f)), str(Path(tmp) / f))
+        result = dev_bleu.score_checkpoint(tmp, dev["dev_dir"], dev["spm"], settings, cfg.data.tgt_lang,
+                                           threads=threads, batch_tokens=cfg.eval.batch_tokens)
+    record = {"checkpoint": name, "step": dev_bleu.step_of(name), "settings": settings.to_dict(),
+              "status": "validated", "by": "average", **result, "seconds": time.perf_counter() - t0}
+    dev_bleu.write_record(run_dir, record)
+    return record
 
 
 def load_state_dict(checkpoint_uri: str) -> dict[str, torch.Tensor]:
@@ -53,15 +96,28 @@ def _meta(checkpoint_uri: str) -> dict[str, Any]:
 
 
 def run(ctx: StageContext) -> StageResult:
-    train = ctx.inputs["train"].outputs
-    chosen = select_checkpoints(list(train["checkpoints"]), ctx.cfg.eval.average_last)
+    train, ev = ctx.inputs["train"].outputs, ctx.cfg.eval
+    kept = list(train["checkpoints"])
+    scores = {}
+    if ev.average_select == "best_dev_bleu":
+        select_last(kept, ev.average_last)  # too few: fail before scoring anything
+        scores = dev_scores(ctx.cfg, train, kept)
+        chosen = select_best(kept, {u: r["bleu_sacre"] for u, r in scores.items()}, ev.average_last)
+    else:
+        chosen = select_last(kept, ev.average_last)
+        known = dev_bleu.scores_for((train.get("dev_bleu") or {}).get("records", []),
+                                    dev_bleu.DevBleuSettings.from_config(ctx.cfg))
+        scores = {u: known[n] for u in kept if (n := u.rstrip("/").rsplit("/", 1)[-1]) in known}
     metas = [_meta(uri) for uri in chosen]
     steps = [m.get("step") for m in metas]
     model_config = train.get("model_config") or metas[-1].get("model_config")
     if not model_config:
         raise ValueError("average: no model_config in train's outputs nor in the checkpoint's meta.json")
     ModelConfig.from_dict(model_config)  # fail here, not in translate, if it is not a valid config
-    log.info("averaging %d checkpoint(s) at steps %s", len(chosen), steps)
+    log.info("averaging %d checkpoint(s) at steps %s (eval.average_select = %s)", len(chosen), steps,
+             ev.average_select)
+    table = [{"checkpoint": u, "step": dev_bleu.step_of(u.rstrip("/").rsplit("/", 1)[-1]),
+              "dev_bleu_sacre": (scores.get(u) or {}).get("bleu_sacre"), "averaged": u in chosen} for u in kept]
 
     state = average_files(chosen)
     buf = io.BytesIO()
@@ -70,12 +126,12 @@ def run(ctx: StageContext) -> StageResult:
     storage.write_bytes(model_uri, buf.getvalue())
     storage.write_json(storage.join(ctx.out_dir, "model_config.json"), model_config)
     averaged = {"checkpoints": chosen, "steps": steps, "num_averaged": len(chosen),
-                "average_last": ctx.cfg.eval.average_last}
+                "average_last": ev.average_last, "average_select": ev.average_select, "kept": table}
     storage.write_json(storage.join(ctx.out_dir, "averaged.json"), averaged)
     num_params = sum(t.numel() for t in state.values() if t.is_floating_point())
     log.info("wrote %s (%d parameters, %.1f MiB)", model_uri, num_params, buf.tell() / 2**20)
     return StageResult(
         outputs={"model": model_uri, "model_config": model_config, "averaged": chosen,
-                 "steps": steps},
+                 "steps": steps, "average_select": ev.average_select, "kept": table},
         metrics={"average/num_checkpoints": float(len(chosen))},
     )

@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline import storage
 from pipeline.config import Config
-from pipeline.evaluate import bleu
+from pipeline.evaluate import bleu, dev_bleu
 from pipeline.stage import StageContext, StageResult
 from pipeline.evaluate.translate import read_split
 
@@ -112,6 +112,7 @@ def render_report(scores: dict[str, dict[str, Any]], facts: dict[str, dict[str, 
                 f"  - sacreBLEU `{s['sacrebleu_signature']}`: {s['bleu_sacre_detail']}",
                 f"  - chrF `{s['chrf_signature']}`",
                 f"  - tokenized BLEU: {s[key + '_detail']}"]
+    out += dev_bleu.report_lines(averaged)
     out += ["", _tokenized_note(setup["tgt_lang"], cs), ""]
     return "\n".join(out)
 

@@ -224,6 +224,7 @@ class Trainer:
                                                  model_config=self.spec.model_config, extra=extra))
         self.cadence.checkpointed()
         if self.rank == 0:
+            self.metrics.log({"train/checkpoint_stall_s": time.perf_counter() - t0})
             log.info("step %d/%d | checkpoint %s (%s upload; the loop waited %.2f s)", p.step, self.tc.max_steps,
                      train_checkpoint.checkpoint_dir_name(p.step), "background" if upload_async else "synchronous",
                      time.perf_counter() - t0)

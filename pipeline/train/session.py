@@ -71,10 +71,11 @@ class LocalSession:
 class RaySession:
     """The loop's session inside a Ray Train worker (the only part of the loop that imports Ray)."""
 
-    def __init__(self) -> None:
+    def __init__(self, validate: bool = False) -> None:
         import ray.train
         import ray.train.torch
 
+        self.validate = validate  # ask Ray Train's asynchronous validation (dev BLEU) per checkpoint
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
@@ -100,7 +101,8 @@ class RaySession:
         checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
         mode = CheckpointUploadMode.ASYNC if upload_async else CheckpointUploadMode.SYNC
         ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=dir_name if checkpoint else None,
-                         checkpoint_upload_mode=mode, checkpoint_upload_fn=upload_fn if checkpoint else None)
+                         checkpoint_upload_mode=mode, checkpoint_upload_fn=upload_fn if checkpoint else None,
+                         validation=self.validate and checkpoint is not None)
 
     def flush_reports(self, timeout_s: float) -> None:
         """Wait (at most `timeout_s`) until the controller has taken this worker's reports: a

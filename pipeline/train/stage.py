@@ -29,6 +29,8 @@ import numpy as np
 from model import ModelConfig
 from pipeline.ray_env import ensure_ray, node_cpus
 from pipeline import storage
+from pipeline.evaluate import dev_bleu
+from pipeline.evaluate.selection import kept_shortfall
 from pipeline.train import batching
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train import elastic, preemption
@@ -126,7 +128,8 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
         pkg.addHandler(handler)
     pkg.setLevel(logging.INFO)
-    return train_worker(config, RaySession())
+    validate = bool(config.pop("dev_bleu", False))  # set by `fit` when it gives a validation_config
+    return train_worker(config, RaySession(validate))
 
 
 def forget_run(cfg: Config, key: str) -> None:
@@ -154,13 +157,16 @@ def cpus_per_worker(cfg: Config, use_gpu: bool) -> int:
     if use_gpu:
         return 1
     per_node = node_cpus()
-    total, largest = sum(per_node), max(per_node, default=1)
+    # Left free for the dev BLEU task (eval.dev_bleu_resources), which would else wait for the end.
+    spare = dev_bleu.reserved_cpus(cfg)
+    total, largest = sum(per_node) - spare, max(per_node, default=1) - spare
     # A range: shared out over the most workers, so that the largest group fits.
     return max(1, int(min(total // elastic.worker_range(cfg)[1], largest)))
 
 
-def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
-    """Run (or resume) the Ray Train run `run_name`; the `Result`."""
+def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str, validation: Any = None) -> Any:
+    """Run (or resume) the Ray Train run `run_name`; the `Result`. `validation`: a Ray Train
+    ``ValidationConfig`` (dev BLEU per checkpoint, pipeline/evaluate/dev_bleu.py) or None."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -177,7 +183,8 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str) -> Any:
     spec.num_threads = 0 if use_gpu else cpus
     trainer = TorchTrainer(
         train_fn_per_worker,
-        train_loop_config=spec.to_dict(),
+        train_loop_config={**spec.to_dict(), "dev_bleu": validation is not None},
+        validation_config=validation,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(**elastic.scaling_kwargs(cfg), use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cpus, **({"GPU": 1} if use_gpu else {})},
@@ -217,13 +224,21 @@ def run(ctx: StageContext) -> StageResult:
                     tracking_uri=getattr(ctx.tracker, "tracking_uri", None),
                     run_id=getattr(ctx.tracker, "run_id", None), session_wrapper=_session_wrapper())
     storage_path = storage_path_for(cfg)
+    run_dir = storage.join(storage_path, ctx.key)
+    vocab = ctx.inputs["vocab"].outputs
+    validation = dev_bleu.validation_config(cfg, dev_dir=dev_dir, vocab=vocab, run_dir=run_dir,
+                                            tracking_uri=spec.tracking_uri, run_id=spec.run_id)
     t0 = time.time()
-    result = fit(cfg, spec, ctx.key, storage_path)
+    result = fit(cfg, spec, ctx.key, storage_path, validation)
     summary = result.return_value or {}
     checkpoints = checkpoint_uris(result, storage_path)
     if not checkpoints:
         raise RuntimeError(f"train: the run {ctx.key} under {storage_path} finished without a checkpoint")
     final_step = int(summary.get("final_step") or train_checkpoint_step(checkpoints[-1]))
+    dev, dev_metrics = dev_bleu.summarize(run_dir, cfg, dev_dir, vocab)
+    shortfall = kept_shortfall(cfg, len(checkpoints))
+    if shortfall:
+        log.warning("train: %s", shortfall)
     history = {"train": summary.get("history_train", []), "val": summary.get("history_val", [])}
     storage.write_json(storage.join(ctx.out_dir, "history.json"), history)
     _log_plots(ctx, history)
@@ -235,7 +250,7 @@ def run(ctx: StageContext) -> StageResult:
                "train/num_dropped_too_long": float(stats["num_dropped_too_long"]),
                "train/wall_s": float(summary.get("train_time_s", 0.0)),
                "train/driver_wall_s": time.time() - t0,
-               **{f"val/final_{k[4:]}": float(v) for k, v in last.items() if k.startswith("val/")}}
+               **{f"val/final_{k[4:]}": float(v) for k, v in last.items() if k.startswith("val/")}, **dev_metrics}
     tokens = summary.get("tokens_seen", {"src": 0, "tgt": 0})
     on_gpu = gpu_training(ctx.cfg)
     log.info("train: done at step %d, %d checkpoint(s) kept, %d target tokens seen", final_step,
@@ -244,7 +259,7 @@ def run(ctx: StageContext) -> StageResult:
         outputs={"checkpoints": checkpoints, "final_step": final_step, "run_name": ctx.key,
                  "storage_path": storage_path, "tokens_seen": tokens,
                  "wall_s": float(summary.get("train_time_s", 0.0)), "model_config": mc.to_dict(),
-                 "data": stats, "precision": summary.get("precision"),
+                 "data": stats, "precision": summary.get("precision"), "dev_bleu": dev,
                  "resumed_from_step": int(summary.get("start_step", 0)),
                  # For the score report: the compute this result cost (loop time x workers).
                  # The last attempt's group (an elastic run may have changed size on the way).

@@ -1,0 +1,84 @@
+"""Which checkpoints `average` averages, and whether a run can produce them (no torch, no Ray).
+
+``eval.average_select``:
+- ``"last"``: the last ``eval.average_last`` kept checkpoints (§6.1: the last 5 for base).
+- ``"best_dev_bleu"``: the ``eval.average_last`` kept checkpoints with the highest dev sacreBLEU
+  (``pipeline.evaluate.dev_bleu``), averaged in step order. fairseq's ``--best-checkpoint-metric
+  bleu`` and Marian's validation BLEU pick checkpoints the same way. Ties go to the later step.
+
+``plan_check`` runs at ``--plan`` time (``workflows/runner.py``): a config whose training cannot
+produce the checkpoints averaging needs is refused before any training, with the keys named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.config import Config, ConfigError
+
+
+def select_last(checkpoints: list[str], average_last: int) -> list[str]:
+    """The last ``average_last`` of ``checkpoints`` (oldest first); too few is a ValueError."""
+    if len(checkpoints) < average_last:
+        raise ValueError(
+            f"eval.average_last = {average_last} but train kept only {len(checkpoints)} "
+            f"checkpoint(s) ({', '.join(checkpoints) or 'none'}). §6.1 averages the last 5: train "
+            f"longer / keep more (train.keep_checkpoints), or say --eval.average_last={max(len(checkpoints), 1)} "
+            f"to average what exists.")
+    return list(checkpoints[-average_last:])
+
+
+def select_best(checkpoints: list[str], scores: dict[str, float], average_last: int) -> list[str]:
+    """The ``average_last`` checkpoints with the highest score (``scores``: uri -> dev BLEU), in
+    their original (step) order. Every checkpoint must have a score: one without is a ValueError
+    naming it (the average stage scores missing ones before it selects)."""
+    select_last(checkpoints, average_last)  # the same "too few" error
+    missing = [c for c in checkpoints if c not in scores]
+    if missing:
+        raise ValueError(f"eval.average_select = 'best_dev_bleu': no dev BLEU for {', '.join(missing)}")
+    order = {c: i for i, c in enumerate(checkpoints)}
+    best = sorted(checkpoints, key=lambda c: (scores[c], order[c]), reverse=True)[:average_last]
+    return sorted(best, key=order.__getitem__)
+
+
+def step_checkpoints(max_steps: int, interval_steps: int) -> int:
+    """How many checkpoints the step interval alone writes: every multiple of it, and the last step."""
+    return max_steps // interval_steps + (1 if max_steps % interval_steps else 0)
+
+
+def plan_check(cfg: Config) -> str | None:
+    """Refuse (ConfigError naming the keys) a config whose training cannot leave
+    ``eval.average_last`` checkpoints for `average`; with time-based checkpoints (which the plan
+    cannot count) return a note of what is expected, checked again when train ends
+    (``expected_checkpoints_note``). None when the step interval alone provides them."""
+    t, need = cfg.train, cfg.eval.average_last
+    made = step_checkpoints(t.max_steps, t.checkpoint_interval_steps)
+    if made >= need:
+        return None
+    if t.checkpoint_interval_s > 0:
+        return (f"expects {made} step checkpoint(s) (train.max_steps = {t.max_steps}, "
+                f"train.checkpoint_interval_steps = {t.checkpoint_interval_steps}) plus one per "
+                f"train.checkpoint_interval_s = {t.checkpoint_interval_s:g} s; eval.average_last = {need} "
+                "needs the time-based ones: checked when train ends")
+    raise ConfigError(
+        f"train.max_steps = {t.max_steps} with train.checkpoint_interval_steps = {t.checkpoint_interval_steps} "
+        f"writes {made} checkpoint(s), but eval.average_last = {need} averages {need}: lower "
+        f"eval.average_last, lower train.checkpoint_interval_steps (<= {t.max_steps // need}), or set "
+        "train.checkpoint_interval_s")
+
+
+def kept_shortfall(cfg: Config, num_kept: int) -> str | None:
+    """After training: why `average` will fail on ``num_kept`` checkpoints (keys named), or None."""
+    need = cfg.eval.average_last
+    if num_kept >= need:
+        return None
+    return (f"train kept {num_kept} checkpoint(s) but eval.average_last = {need}: the average stage will "
+            f"refuse; train.checkpoint_interval_s = {cfg.train.checkpoint_interval_s:g} s and "
+            f"train.checkpoint_interval_steps = {cfg.train.checkpoint_interval_steps} made too few in "
+            f"{cfg.train.max_steps} steps")
+
+
+def describe(chosen: list[str], scores: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per checkpoint for reports: {"checkpoint", "dev_bleu", "averaged"}."""
+    picked = set(chosen)
+    return [{"checkpoint": c, "dev_bleu": scores.get(c), "averaged": c in picked} for c in scores]
