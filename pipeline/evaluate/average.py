@@ -116,7 +116,8 @@ def run(ctx: StageContext) -> StageResult:
     ModelConfig.from_dict(model_config)  # fail here, not in translate, if it is not a valid config
     log.info("averaging %d checkpoint(s) at steps %s (eval.average_select = %s)", len(chosen), steps,
              ev.average_select)
-    table = [{"checkpoint": u, "step": dev_bleu.step_of(u.rstrip("/").rsplit("/", 1)[-1]),
+    # Every kept checkpoint's dev BLEU (None: not validated with these settings) for the report.
+    table = [{"checkpoint": u, "step": (scores.get(u) or {}).get("step"),
               "dev_bleu_sacre": (scores.get(u) or {}).get("bleu_sacre"), "averaged": u in chosen} for u in kept]
 
     state = average_files(chosen)

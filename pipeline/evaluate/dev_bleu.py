@@ -185,6 +185,9 @@ def _engine(folder: str, model_config: dict[str, Any], spm: str, settings: DevBl
     if settings.engine == "torch":
         return "torch", ""
     import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint
 
     from model import ModelConfig
     from pipeline.serve.export import export_ct2, export_hf, unexportable

@@ -1,0 +1,127 @@
+"""Checkpoint selection for `average` (last / best dev BLEU) and the plan-time refusal of a config
+whose training cannot leave the checkpoints averaging needs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from model import Transformer
+from pipeline.config import Config, ConfigError, load_config
+from pipeline.evaluate import average, dev_bleu
+from pipeline.evaluate.selection import plan_check, select_best, step_checkpoints
+from pipeline.stage import Manifest, StageContext
+from tests.unit.evaluate.test_average import TINY, _checkpoints, _load
+from workflows import reproduce_base
+from workflows.runner import compute_keys
+
+
+def test_best_picks_the_highest_scores_in_step_order():
+    ckpts = ["c100", "c200", "c300", "c400", "c500"]
+    scores = {"c100": 10.0, "c200": 30.0, "c300": 20.0, "c400": 30.0, "c500": 5.0}
+    assert select_best(ckpts, scores, 2) == ["c200", "c400"]
+    assert select_best(ckpts, scores, 3) == ["c200", "c300", "c400"]
+    assert select_best(ckpts[:3], {"c100": 1.0, "c200": 2.0, "c300": 2.0}, 1) == ["c300"]  # a tie: the later step
+    with pytest.raises(ValueError, match="no dev BLEU for c500"):
+        select_best(ckpts, {k: v for k, v in scores.items() if k != "c500"}, 2)
+    with pytest.raises(ValueError, match="train kept only 2"):
+        select_best(ckpts[:2], scores, 3)
+
+
+def _history(tmp_path, bleus: list[float], settings: dict) -> tuple[list[str], str]:
+    """Checkpoints in a Ray Train-like run dir and the dev BLEU records a training run left."""
+    run_dir = tmp_path / "ray_train" / "run"
+    ckpts = _checkpoints(run_dir, len(bleus))
+    for uri, b in zip(ckpts, bleus):
+        name = uri.rsplit("/", 1)[-1]
+        step = json.loads((tmp_path / uri / "meta.json").read_text())["step"]
+        dev_bleu.write_record(str(run_dir), {"checkpoint": name, "step": step, "status": "validated",
+                                             "settings": settings, "bleu_sacre": b, "chrf": 2 * b})
+    dev_bleu.write_record(str(run_dir), {"checkpoint": "checkpoint_gone", "step": 1, "status": "skipped",
+                                         "settings": settings})  # rotated away: not a candidate
+    return ckpts, str(run_dir)
+
+
+def _ctx(tmp_path, cfg: Config, ckpts: list[str], run_dir: str) -> StageContext:
+    train = Manifest("train", "t", str(tmp_path / "train"),
+                     {"checkpoints": ckpts, "final_step": 100 * len(ckpts), "model_config": TINY.to_dict(),
+                      "storage_path": str(tmp_path / "ray_train"), "run_name": "run",
+                      "dev_bleu": {"run_dir": run_dir, "dev_dir": "", "spm": ""}})
+    (tmp_path / "average").mkdir(exist_ok=True)
+    return StageContext("average", "a", cfg, str(tmp_path / "average"), {"train": train})
+
+
+def test_average_by_best_dev_bleu_on_a_crafted_history(tmp_path):
+    cfg = Config()
+    cfg.eval.average_last, cfg.eval.average_select = 2, "best_dev_bleu"
+    settings = dev_bleu.DevBleuSettings.from_config(cfg).to_dict()
+    ckpts, run_dir = _history(tmp_path, [5.0, 20.0, 10.0, 15.0], settings)
+
+    result = average.run(_ctx(tmp_path, cfg, ckpts, run_dir))
+
+    assert result.outputs["averaged"] == [ckpts[1], ckpts[3]]
+    assert result.outputs["steps"] == [200, 400]
+    got = _load(result.outputs["model"])
+    inputs = [_load(f"{c}/model.pt") for c in (ckpts[1], ckpts[3])]
+    for key, tensor in got.items():
+        torch.testing.assert_close(tensor.double(), (inputs[0][key].double() + inputs[1][key].double()) / 2,
+                                   rtol=0, atol=1e-7)
+    Transformer(TINY).load_state_dict(got)
+    kept = json.loads((tmp_path / "average" / "averaged.json").read_text())["kept"]
+    assert [(k["dev_bleu_sacre"], k["averaged"]) for k in kept] == [(5.0, False), (20.0, True), (10.0, False),
+                                                                     (15.0, True)]
+
+    cfg.eval.average_select = "last"  # the paper's rule on the same history
+    assert average.run(_ctx(tmp_path, cfg, ckpts, run_dir)).outputs["averaged"] == ckpts[2:]
+
+
+def test_scores_made_with_other_settings_are_not_used(tmp_path):
+    cfg = Config()
+    cfg.eval.average_last, cfg.eval.average_select = 2, "best_dev_bleu"
+    other = {**dev_bleu.DevBleuSettings.from_config(cfg).to_dict(), "sentences": 100}
+    ckpts, run_dir = _history(tmp_path, [5.0, 20.0, 10.0], other)
+    # Not the config's settings: the stage must score them itself, and here it has nothing to score with.
+    with pytest.raises(ValueError, match="no dev BLEU with the settings"):
+        average.run(_ctx(tmp_path, cfg, ckpts, run_dir))
+
+
+def test_plan_refuses_a_run_that_cannot_make_the_averaged_checkpoints(tmp_path, capsys):
+    args = ["--config", "configs/local.toml", f"--run.work_dir={tmp_path}", "--train.max_steps=400",
+            "--train.checkpoint_interval_steps=100", "--eval.average_last=5", "--train.keep_checkpoints=5", "--plan"]
+    assert reproduce_base.main(args) == 2
+    err = capsys.readouterr().err
+    for key in ("train.max_steps = 400", "train.checkpoint_interval_steps = 100", "writes 4 checkpoint(s)",
+                "eval.average_last = 5"):
+        assert key in err, err
+    assert reproduce_base.main(args[:-1] + ["--eval.average_last=4", "--plan"]) == 0
+    capsys.readouterr()
+    assert reproduce_base.main([*args[:-1], "--to", "train", "--plan"]) == 0  # no average in this run
+
+
+def test_time_based_checkpoints_are_announced_not_refused():
+    cfg = load_config("configs/big.toml")  # §6.1: checkpoints every 10 minutes, the last 20 averaged
+    note = plan_check(cfg)
+    assert "expects 1 step checkpoint(s)" in note and "eval.average_last = 20" in note
+    assert step_checkpoints(400, 100) == 4 and step_checkpoints(401, 100) == 5
+
+
+def test_dev_bleu_settings_key_average_only_when_it_selects_by_them():
+    base = compute_keys(load_config("configs/local.toml"))
+    changed = compute_keys(load_config("configs/local.toml", ["--eval.dev_bleu_sentences=50",
+                                                              "--eval.dev_bleu_resources=CPU=2",
+                                                              "--eval.dev_bleu=false"]))
+    assert changed == base  # operational for train, not read by "last"
+    best = compute_keys(load_config("configs/local.toml", ["--eval.average_select=best_dev_bleu"]))
+    best50 = compute_keys(load_config("configs/local.toml", ["--eval.average_select=best_dev_bleu",
+                                                             "--eval.dev_bleu_sentences=50"]))
+    assert best["train"] == base["train"] and best["average"] != base["average"] != best50["average"]
+
+
+def test_bad_dev_bleu_keys_are_named():
+    with pytest.raises(ConfigError, match="eval.dev_bleu_resources"):
+        load_config(None, ["--eval.dev_bleu_resources=GPU"])
+    with pytest.raises(ConfigError, match="eval.average_select"):
+        load_config(None, ["--eval.average_select=best"])
+    assert dev_bleu.task_resources(load_config(None, ["--eval.dev_bleu_resources=GPU=1,CPU=2"]))[1:] == ("cuda", 2)
