@@ -296,7 +296,7 @@ def _log_to_run(uri: str | None, run_id: str | None, metrics: dict[str, float], 
 
     for attempt in range(3):
         try:
-            RunLogger(uri, run_id).log_metrics(metrics, step=step)
+            RunLogger(uri, run_id, timeout_s=30.0).log_metrics(metrics, step=step)
             return
         except Exception as e:  # noqa: BLE001 - any store error (SQLite busy, a server away)
             if attempt == 2:

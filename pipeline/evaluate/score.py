@@ -99,7 +99,8 @@ def render_report(scores: dict[str, dict[str, Any]], facts: dict[str, dict[str, 
             f"- model: d_model {mc.get('d_model')}, d_ff {mc.get('d_ff')}, heads {mc.get('n_heads')}, "
             f"layers {mc.get('n_encoder_layers')}+{mc.get('n_decoder_layers')}, vocab {mc.get('vocab_size')}, "
             f"dropout {mc.get('dropout')}",
-            f"- training: {train.get('final_step')} steps; averaged the last {len(averaged)} checkpoint(s) "
+            f"- training: {train.get('final_step')} steps; averaged the "
+            f"{'last' if avg.get('average_select', 'last') == 'last' else 'best-dev-BLEU'} {len(averaged)} checkpoint(s) "
             f"(steps {avg.get('steps')}); the paper averages 5 (base) / 20 (big), §6.1",
             _compute_line(train, setup["size"]),
             f"- decoding: beam {dec.get('beam_size')}, alpha {dec.get('alpha')}, max length "
