@@ -15,10 +15,10 @@ reported too: ``actor_cpu_vs_plain_cpu`` near 1.0 means Ray adds no per-sentence
     .venv/bin/python benchmarks/decode_bench.py [--num-sentences 300] [--repeats 2] [--workers 1,2] [--out bench.json]
 
 ``--engines`` instead compares the decoding engines on one set of weights (a trained tiny model,
-or ``--work-dir``'s averaged model) and sentences: our beam search, CTranslate2 float32 and
+or the model of ``--config``) and sentences: our beam search, CTranslate2 float32 and
 int8, each in this process on one thread, printing sentences/s and sacreBLEU side by side:
 
-    .venv/bin/python benchmarks/decode_bench.py --engines [--num-sentences 300] [--work-dir work/local]
+    .venv/bin/python benchmarks/decode_bench.py --engines [--num-sentences 300] [--config configs/local.toml]
 
 The model is random (it never predicts eos, so every sentence decodes its full a*S+b budget:
 a steady, comparable workload); its sizes are small so that a 2-core machine finishes in a
@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from model import ModelConfig, Transformer  # noqa: E402
-from pipeline.evaluate import translate
+from pipeline.config import DecodeSettings  # noqa: E402
+from pipeline.evaluate import translate  # noqa: E402
 
 log = logging.getLogger("decode_bench")
 
@@ -120,14 +121,15 @@ ENGINES = (("ours (torch beam search, GNMT lp)", "torch", ""), ("ctranslate2 flo
 
 
 def engine_assets(args: argparse.Namespace, root: Path) -> dict:
-    """Weights for ``--engines``: a pipeline work dir's latest average + vocab (``--work-dir``),
+    """Weights for ``--engines``: the model of a pipeline config (``--config``, its DAG plan's
+    average + vocab; ``--work-dir`` replaces its run.work_dir; ``pipeline.models.find_model``),
     else the tiny model of tests/support/tiny_model.py trained here (~30 s); exported here."""
+    from pipeline.models import find_model
     from pipeline.serve.export import export_all
 
-    if args.work_dir:
-        avg = translate._latest_outputs(args.work_dir, "average")
-        assets = {"model": avg["model"], "model_config": avg["model_config"],
-                  "spm": translate._latest_outputs(args.work_dir, "vocab")["model"]}
+    if args.config:
+        files = find_model(config=args.config, work_dir=args.work_dir)
+        assets = {"model": files.model, "model_config": files.model_config, "spm": files.spm}
     else:
         from tests.support.tiny_model import train_tiny_model
 
@@ -144,7 +146,7 @@ def compare_engines(args: argparse.Namespace) -> dict:
     data = Path(args.data)
     src = (data / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:args.num_sentences]
     refs = (data / "newstest2014.de").read_text(encoding="utf-8").splitlines()[:args.num_sentences]
-    settings = asdict(translate.DecodeSettings(args.beam, 0.6, 1.0, 50))  # §6.1
+    settings = asdict(DecodeSettings(beam_size=args.beam))  # §6.1
     results: dict = {"settings": settings, "num_sentences": len(src), "threads": 1, "engines": []}
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,14 +155,8 @@ def compare_engines(args: argparse.Namespace) -> dict:
         for name, backend, folder in ENGINES:
             tr = translate.Translator(assets["model"], assets["model_config"], assets["spm"], settings,
                                       num_threads=1, backend=backend, ct2_model=assets.get(folder, ""))
-            max_len = translate.max_source_len(tr.cfg.max_positions, 1.0, 50)
-            sources, _ = translate.prepare_sources([tr.sp.encode(s) for s in src], max_len, tr.cfg.eos_id)
-            keep = [i for i, s in enumerate(sources) if s is not None]
-            hyps = [""] * len(src)
             start = time.perf_counter()
-            for batch in translate.plan_batches([len(sources[i]) for i in keep], args.batch_tokens):
-                for m, h in zip(batch, tr.translate_ids([sources[keep[m]] for m in batch])):
-                    hyps[keep[m]] = h
+            hyps, _ = translate.translate_lines(tr, src, args.batch_tokens)
             wall = time.perf_counter() - start
             bleu = sacrebleu.corpus_bleu(hyps, [refs]).score
             results["engines"].append({"engine": name, "wall_s": wall, "sentences_per_s": len(src) / wall,
@@ -176,7 +172,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", action="store_true",
                    help="instead: ours vs CTranslate2 float32 / int8 (sentences/s, BLEU), same weights")
-    p.add_argument("--work-dir", default="", help="--engines: use this pipeline work dir's averaged model")
+    p.add_argument("--config", action="append", default=[],
+                   help="--engines: the model of this pipeline config (its DAG plan's average + vocab)")
+    p.add_argument("--work-dir", default="", help="with --config: instead of its run.work_dir")
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "wmt14"))
     p.add_argument("--num-sentences", type=int, default=300)
     p.add_argument("--repeats", type=int, default=2)
@@ -202,7 +200,7 @@ def main() -> None:
 
     model_cfg = {"d_model": args.d_model, "d_ff": 4 * args.d_model, "n_heads": 4, "n_encoder_layers": args.layers,
                  "n_decoder_layers": args.layers, "max_positions": 512, "dropout": 0.0}
-    settings = asdict(translate.DecodeSettings(args.beam, 0.6, 1.0, args.max_len_b))
+    settings = asdict(DecodeSettings(beam_size=args.beam, max_len_b=args.max_len_b))
     results: dict = {"settings": settings, "model": model_cfg, "num_sentences": args.num_sentences,
                      "batch_tokens": args.batch_tokens, "runs": []}
     workers = [int(w) for w in args.workers.split(",")]

@@ -58,14 +58,29 @@ def _eval_mode(model: Any) -> Iterator[None]:
             model.train()
 
 
-def _max_lens(model: Any, src_ids: torch.Tensor, max_len_a: float, max_len_b: int) -> torch.Tensor:
-    """(B,) most output tokens before eos: floor(a * src_len + b), src_len = non-pad source tokens
-    (eos included), capped so that bos + tokens fit in the model's max_positions. Computed in
-    Python floats (float64), as the caller would by hand: float32 has 0.7 * 10 < 7."""
-    max_positions = getattr(model.cfg, "max_positions", None)
+def output_budget(num_source_tokens: int, max_len_a: float, max_len_b: int, max_positions: int | None) -> int:
+    """Most output tokens before eos for a source of ``num_source_tokens`` (eos included):
+    floor(a * n + b) (§6.1: input length + 50), capped so that bos + tokens fit in
+    ``max_positions`` (None: no cap). Python floats (float64), as one computes it by hand:
+    float32 has 0.7 * 10 < 7. The one definition: our search, CTranslate2's and the server's."""
     cap = math.inf if max_positions is None else max_positions - 1
+    return int(min(max(math.floor(max_len_a * num_source_tokens + max_len_b), 0), cap))
+
+
+def max_source_len(max_positions: int, max_len_a: float, max_len_b: int) -> int:
+    """Longest source (pieces + eos) whose whole output budget a * S + b (plus the fed bos) still
+    fits ``max_positions``: the inverse of ``output_budget``'s cap; longer sources are truncated
+    (translate) or refused (serve)."""
+    if max_len_a <= 0:
+        return max_positions
+    return max(1, min(max_positions, int((max_positions - 1 - max_len_b) / max_len_a)))
+
+
+def _max_lens(model: Any, src_ids: torch.Tensor, max_len_a: float, max_len_b: int) -> torch.Tensor:
+    """(B,) ``output_budget`` per row, src_len = non-pad source tokens (eos included)."""
+    max_positions = getattr(model.cfg, "max_positions", None)
     src_lens = src_ids.ne(model.cfg.pad_id).sum(dim=1).tolist()
-    max_lens = [int(min(max(math.floor(max_len_a * n + max_len_b), 0), cap)) for n in src_lens]
+    max_lens = [output_budget(n, max_len_a, max_len_b, max_positions) for n in src_lens]
     return torch.tensor(max_lens, device=src_ids.device)
 
 

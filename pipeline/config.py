@@ -194,14 +194,33 @@ class TrainConfig:
 
 
 @dataclass
-class EvalConfig:
-    """Averaging, beam search and scoring (``average``, ``translate``, ``score``; §6.1)."""
+class DecodeSettings:
+    """Beam search settings (§6.1), the one definition: ``eval.*`` (EvalConfig), the translate CLI
+    and ``serve run``'s arguments (ServeSettings) all take these fields and defaults."""
+
+    beam_size: int = 4  # §6.1
+    alpha: float = 0.6  # §6.1, length penalty (GNMT's; CTranslate2 and HF apply |Y|^alpha)
+    max_len_a: float = 1.0  # §6.1: max output length = a * input length + b = input length + 50
+    max_len_b: int = 50
+
+    @classmethod
+    def of(cls, obj: Any) -> "DecodeSettings":
+        """The decode fields of any object that has them (an EvalConfig, ServeSettings, a dict)."""
+        get = obj.get if isinstance(obj, dict) else lambda k: getattr(obj, k)
+        return cls(**{f.name: get(f.name) for f in dataclasses.fields(cls)})
+
+    def check(self, prefix: str) -> None:
+        _check(self.beam_size >= 1, f"{prefix}beam_size", "must be >= 1")
+        _check(self.alpha >= 0.0, f"{prefix}alpha", "must be >= 0")
+        _check(self.max_len_a >= 0 and self.max_len_b >= 1, f"{prefix}max_len_b", "max length must be >= 1")
+
+
+@dataclass
+class EvalConfig(DecodeSettings):
+    """Averaging, beam search (``DecodeSettings``'s fields) and scoring (``average``,
+    ``translate``, ``score``; §6.1)."""
 
     average_last: int = 5  # §6.1: "averaging the last 5 checkpoints"
-    beam_size: int = 4  # §6.1
-    alpha: float = 0.6  # §6.1, length penalty
-    max_len_a: float = 1.0  # §6.1: max output length = input length + 50
-    max_len_b: int = 50
     batch_tokens: int = op(4000)  # source tokens per decoding batch
     num_workers: int = op(1)  # Ray Data actors for translate (one per GPU)
     use_gpu: bool = op(True)
@@ -235,9 +254,7 @@ class EvalConfig:
         _check(self.backend in ("torch", "ctranslate2"), "eval.backend", "must be 'torch' or 'ctranslate2'")
         _check(self.ct2_quantization in ("float32", "int8"), "eval.ct2_quantization", "must be 'float32' or 'int8'")
         _check(self.average_last >= 1, "eval.average_last", "must be >= 1")
-        _check(self.beam_size >= 1, "eval.beam_size", "must be >= 1")
-        _check(self.alpha >= 0.0, "eval.alpha", "must be >= 0")
-        _check(self.max_len_a >= 0 and self.max_len_b >= 1, "eval.max_len_b", "max length must be >= 1")
+        self.check("eval.")
         _check(self.batch_tokens > 0, "eval.batch_tokens", "must be > 0")
         _check(self.num_workers >= 1, "eval.num_workers", "must be >= 1")
         _check(self.max_sentences >= 0, "eval.max_sentences", "must be >= 0 (0 = all)")

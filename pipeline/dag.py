@@ -1,16 +1,26 @@
-"""The DAG, as a table: download -> prepare -> vocab -> encode -> train -> average -> export -> translate -> score.
+"""The DAG, as a table: download -> prepare -> vocab -> encode -> train -> average -> export -> translate -> score
+-> register.
 
 ``export`` (HF Marian folder, CTranslate2 models) sits before ``translate`` because the
 ``eval.backend = "ctranslate2"`` path decodes with its CTranslate2 model.
 
 Each row names the config values that go into the stage's cache key and the stages it reads.
+The keys (``compute_keys``) and where a key's output lives (``stage_dir``, ``read_manifest``) are
+here too, in the core: the runner plans with them, and ``pipeline/models.py`` finds a config's
+model with them.
 The ``outputs`` each stage records in its manifest (what downstream stages rely on) are listed
 in ``docs/stages.md``.
 """
 
 from __future__ import annotations
 
-from pipeline.stage import Stage
+import hashlib
+import json
+from typing import Any
+
+from pipeline import storage
+from pipeline.config import Config
+from pipeline.stage import MANIFEST, Manifest, Stage
 
 _DATA_SOURCE = ("data.source", "data.src_lang", "data.tgt_lang", "data.mirror",
                 "data.train_src", "data.train_tgt", "data.dev_src", "data.dev_tgt",
@@ -42,6 +52,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("score", "1", ("eval.splits", "eval.max_sentences", "data.source", "data.src_lang", "data.tgt_lang",
                          "data.dev_src", "data.test_src", "model"), ("translate", "encode", "average", "train"),
           "pipeline.evaluate.score:run"),
+    # The scored model as a version of the MLflow Model Registry (its files and its test scores).
+    Stage("register", "1", (), ("average", "vocab", "export", "score"), "pipeline.serve.register:run",
+          checksum_files=False),
 )
 
 BY_NAME = {s.name: s for s in STAGES}
@@ -67,3 +80,36 @@ def upstream_closure(name: str) -> list[str]:
             out.add(n)
             todo.extend(BY_NAME[n].upstream)
     return [n for n in ORDER if n in out]
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def compute_keys(cfg: Config) -> dict[str, str]:
+    keys: dict[str, str] = {}
+    for s in STAGES:
+        material = {"stage": s.name, "version": s.version, "config": s.key_material(cfg),
+                    "upstream": {u: keys[u] for u in s.upstream}}
+        keys[s.name] = _digest(material)[:16]
+    return keys
+
+
+def stage_dir(cfg: Config, stage: str, key: str) -> str:
+    return storage.join(storage.absolute(cfg.run.work_dir), stage, key)
+
+
+def manifest_digest(m: Manifest) -> str:
+    """What downstream stages remember of an upstream manifest, to notice a rerun."""
+    return _digest({"key": m.key, "outputs": m.outputs, "files": m.files})
+
+
+def read_manifest(out_dir: str, key: str) -> Manifest | None:
+    uri = storage.join(out_dir, MANIFEST)
+    try:
+        data = storage.read_json(uri)
+    except (FileNotFoundError, OSError, json.JSONDecodeError):
+        return None
+    if data.get("key") != key:
+        return None
+    return Manifest.from_dict(data)

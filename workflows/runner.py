@@ -8,7 +8,6 @@ from. A half-written stage is never taken as done; a stage whose upstream was re
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -17,7 +16,8 @@ from typing import Any
 
 from pipeline import storage
 from pipeline.config import Config
-from pipeline.dag import BY_NAME, ORDER, STAGES, downstream, upstream_closure
+from pipeline.dag import (BY_NAME, ORDER, STAGES, compute_keys, downstream, manifest_digest, read_manifest,
+                          stage_dir, upstream_closure)
 from pipeline.stage import MANIFEST, Manifest, NotImplementedStage, Stage, StageContext
 
 log = logging.getLogger(__name__)
@@ -38,39 +38,6 @@ class StagePlan:
     reason: str
     forced: bool = False  # rerun from scratch even if a resumable stage has partial state
     manifest: Manifest | None = None  # the cached manifest, read once while planning
-
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def compute_keys(cfg: Config) -> dict[str, str]:
-    keys: dict[str, str] = {}
-    for s in STAGES:
-        material = {"stage": s.name, "version": s.version, "config": s.key_material(cfg),
-                    "upstream": {u: keys[u] for u in s.upstream}}
-        keys[s.name] = _digest(material)[:16]
-    return keys
-
-
-def stage_dir(cfg: Config, stage: str, key: str) -> str:
-    return storage.join(storage.absolute(cfg.run.work_dir), stage, key)
-
-
-def manifest_digest(m: Manifest) -> str:
-    """What downstream stages remember of an upstream manifest, to notice a rerun."""
-    return _digest({"key": m.key, "outputs": m.outputs, "files": m.files})
-
-
-def read_manifest(out_dir: str, key: str) -> Manifest | None:
-    uri = storage.join(out_dir, MANIFEST)
-    try:
-        data = storage.read_json(uri)
-    except (FileNotFoundError, OSError, json.JSONDecodeError):
-        return None
-    if data.get("key") != key:
-        return None
-    return Manifest.from_dict(data)
 
 
 def _changed_keys(cfg: Config, stage: Stage) -> str:

@@ -14,32 +14,28 @@ reference (``eval.backend = "torch"``). Greedy outputs are identical (tests/inte
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from typing import Any, Sequence
 
+from model import output_budget
+
 log = logging.getLogger(__name__)
-
-
-def output_budget(num_source_tokens: int, max_len_a: float, max_len_b: int, max_positions: int) -> int:
-    """Most tokens before eos, as `model.search._max_lens`: floor(a * |src| + b), bos + tokens within
-    max_positions (|src| counts the eos)."""
-    return int(min(max(math.floor(max_len_a * num_source_tokens + max_len_b), 0), max_positions - 1))
 
 
 class CT2Engine:
     """Loads a CTranslate2 model once; translates lists of our token ids to lists of token ids."""
 
-    def __init__(self, model_dir: str, sp: Any, model_config: dict[str, Any], settings: Any,
-                 device: str = "cpu", num_threads: int = 0):
+    def __init__(self, model_dir: str, sp: Any, cfg: Any, settings: Any, device: str = "cpu",
+                 num_threads: int = 0):
+        """``cfg``: the model's ``ModelConfig`` (positions and ids); ``settings``: a ``DecodeSettings``."""
         import ctranslate2
 
         self.sp, self.settings = sp, settings
-        self.max_positions = int(model_config["max_positions"])
+        self.max_positions = cfg.max_positions
         # int8 weights run int8 GEMMs on CPU; on GPU CTranslate2 picks int8_float16 for them.
         self.translator = ctranslate2.Translator(model_dir, device=device, compute_type="default",
                                                  inter_threads=1, intra_threads=max(0, num_threads))
-        self.suppress = [[sp.id_to_piece(int(model_config["pad_id"]))], [sp.id_to_piece(int(model_config["bos_id"]))]]
+        self.suppress = [[sp.id_to_piece(cfg.pad_id)], [sp.id_to_piece(cfg.bos_id)]]
         log.info("ctranslate2: %s on %s (%s)", model_dir, device, self.translator.compute_type)
 
     def translate_ids(self, sources: Sequence[Sequence[int]]) -> list[list[int]]:

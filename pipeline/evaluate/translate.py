@@ -17,7 +17,8 @@ budget is truncated to ``max_source_len`` pieces (``num_truncated``).
 ``eval.backend = "ctranslate2"`` runs the ``export`` stage's CTranslate2 model in the same actors
 instead of our beam search (``ct2_backend.py``; the same batches, order and bad-input handling).
 
-CLI (no Ray): ``python -m pipeline.evaluate.translate --model-dir DIR --spm spm.model < input.en``.
+CLI (no Ray): ``python -m pipeline.evaluate.translate --config configs/local.toml < input.en`` (or
+``--model models:/...``, or ``--model-dir DIR --spm spm.model``: ``pipeline.models.find_model``).
 """
 
 from __future__ import annotations
@@ -26,16 +27,17 @@ import argparse
 import logging
 import sys
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
 
-from model import ModelConfig, Transformer, beam_search
+from model import ModelConfig, Transformer, beam_search, max_source_len
 from pipeline import storage
+from pipeline.config import DecodeSettings
+from pipeline.packing import pack_by_length
 from pipeline.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
@@ -43,27 +45,7 @@ log = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 10.0
 
 
-@dataclass
-class DecodeSettings:
-    beam_size: int = 4  # §6.1
-    alpha: float = 0.6  # §6.1, length penalty
-    max_len_a: float = 1.0  # §6.1: max output length = a * input length + b = input + 50
-    max_len_b: int = 50
-
-    @classmethod
-    def from_eval(cls, ev: Any) -> "DecodeSettings":
-        return cls(ev.beam_size, ev.alpha, ev.max_len_a, ev.max_len_b)
-
-
 # ----------------------------------------------------------------------------- pure core
-
-
-def max_source_len(max_positions: int, max_len_a: float, max_len_b: int) -> int:
-    """Longest source (pieces + eos) whose whole output budget a * S + b (plus the fed bos)
-    still fits the model's ``max_positions``; longer sources are truncated to this."""
-    if max_len_a <= 0:
-        return max_positions
-    return max(1, min(max_positions, int((max_positions - 1 - max_len_b) / max_len_a)))
 
 
 def prepare_sources(pieces: Iterable[Sequence[int]], max_len: int, eos_id: int
@@ -85,20 +67,9 @@ def prepare_sources(pieces: Iterable[Sequence[int]], max_len: int, eos_id: int
 
 
 def plan_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Positions grouped into batches of similar length: sort by length, then fill each batch
-    while (sentences * longest) <= batch_tokens padded source tokens (a longer sentence gets a
-    batch of its own). Longest batches come first so the slowest work is not left for last."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order:
-        if current and (len(current) + 1) * lengths[i] > batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
-    return batches[::-1]
+    """Positions in batches of similar length, at most ``batch_tokens`` padded source tokens each
+    (``pack_by_length``); longest batches first, so the slowest work is not left for last."""
+    return pack_by_length(lengths, batch_tokens)[::-1]
 
 
 def pad_batch(sources: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
@@ -110,9 +81,14 @@ def pad_batch(sources: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
     return out
 
 
-def load_model(model_path: str, model_config: dict[str, Any], device: str = "cpu") -> Transformer:
+def model_config_of(model_config: ModelConfig | dict[str, Any]) -> ModelConfig:
+    """A ``ModelConfig`` from a manifest's ``model_config`` dict (or the object itself)."""
+    return model_config if isinstance(model_config, ModelConfig) else ModelConfig.from_dict(model_config)
+
+
+def load_model(model_path: str, model_config: ModelConfig | dict[str, Any], device: str = "cpu") -> Transformer:
     """The Transformer with a ``model.pt`` state dict, in eval mode on ``device``."""
-    model = Transformer(ModelConfig.from_dict(model_config))
+    model = Transformer(model_config_of(model_config))
     state = torch.load(storage.local_copy(model_path), weights_only=True, map_location="cpu")
     model.load_state_dict(state)
     return model.to(device).eval()
@@ -127,7 +103,7 @@ class Translator:
     ``src_ids``; each ``batch_id`` group is one beam-search call.
     """
 
-    def __init__(self, model_path: str, model_config: dict[str, Any], spm_path: str,
+    def __init__(self, model_path: str, model_config: ModelConfig | dict[str, Any], spm_path: str,
                  settings: dict[str, Any], device: str = "cpu", num_threads: int = 0,
                  backend: str = "torch", ct2_model: str = ""):
         import sentencepiece as spm
@@ -137,18 +113,18 @@ class Translator:
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("translate: a GPU was asked for but torch sees none")
         self.device = device
-        self.settings = DecodeSettings(**settings)
-        self.cfg = ModelConfig.from_dict(model_config)
+        self.settings = DecodeSettings.of(settings)
+        self.cfg = model_config_of(model_config)
         self.sp = spm.SentencePieceProcessor(model_file=str(storage.local_copy(spm_path)))
         self._specials = {self.cfg.pad_id, self.cfg.bos_id, self.cfg.eos_id}
         self.ct2 = None  # eval.backend = "ctranslate2": the export stage's model (ct2_backend.py)
         if backend == "ctranslate2":
             from pipeline.evaluate.ct2_backend import CT2Engine
 
-            self.ct2 = CT2Engine(str(storage.local_copy(ct2_model)), self.sp, model_config, self.settings,
+            self.ct2 = CT2Engine(str(storage.local_copy(ct2_model)), self.sp, self.cfg, self.settings,
                                  device, num_threads)
         elif backend == "torch":
-            self.model = load_model(model_path, model_config, device)
+            self.model = load_model(model_path, self.cfg, device)
         else:
             raise ValueError(f"translate: unknown backend {backend!r} (torch | ctranslate2)")
 
@@ -296,8 +272,8 @@ def write_hyps(uri: str, idx: Sequence[int], results: pd.DataFrame) -> list[str]
 def run(ctx: StageContext) -> StageResult:
     ev = ctx.cfg.eval
     avg, enc = ctx.inputs["average"].outputs, ctx.inputs["encode"].outputs
-    mcfg = ModelConfig.from_dict(avg["model_config"])
-    settings = DecodeSettings.from_eval(ev)
+    mcfg = model_config_of(avg["model_config"])  # built once here; the actors get this object
+    settings = DecodeSettings.of(ev)
     max_len = max_source_len(mcfg.max_positions, settings.max_len_a, settings.max_len_b)
 
     frames, rows, counts, next_batch = {}, [], {}, 0
@@ -311,7 +287,7 @@ def run(ctx: StageContext) -> StageResult:
         log.info("translate %s: %s (max source length %d)", split, counts[split], max_len)
 
     resources, device, threads = _actor_resources(ctx.cfg)
-    kwargs = {"model_path": avg["model"], "model_config": avg["model_config"],
+    kwargs = {"model_path": avg["model"], "model_config": mcfg,
               "spm_path": ctx.inputs["vocab"].outputs["model"], "settings": asdict(settings),
               "device": device, "num_threads": threads, "backend": ev.backend,
               "ct2_model": _ct2_model(ctx) if ev.backend == "ctranslate2" else ""}
@@ -352,73 +328,57 @@ def _log_artifact(ctx: StageContext, uri: str) -> None:
 # ----------------------------------------------------------------------------- CLI
 
 
-def _find_model(model_dir: str) -> tuple[str, dict[str, Any]]:
-    """``model.pt`` + config from an ``average`` output dir or a train checkpoint dir."""
-    cfg_uri, meta_uri = storage.join(model_dir, "model_config.json"), storage.join(model_dir, "meta.json")
-    if storage.exists(cfg_uri):
-        model_config = storage.read_json(cfg_uri)
-    elif storage.exists(meta_uri):
-        model_config = storage.read_json(meta_uri)["model_config"]
-    else:
-        raise SystemExit(f"{model_dir}: neither model_config.json (average) nor meta.json (checkpoint)")
-    return storage.join(model_dir, "model.pt"), model_config
-
-
-def _latest_outputs(work_dir: str, stage: str) -> dict[str, Any]:
-    """The ``outputs`` of the most recently finished ``<work_dir>/<stage>/<key>/`` (local work dirs)."""
-    from pipeline.stage import MANIFEST
-
-    manifests = sorted(Path(work_dir, stage).glob(f"*/{MANIFEST}"), key=lambda p: p.stat().st_mtime)
-    if not manifests:
-        raise SystemExit(f"{work_dir}: no finished '{stage}' stage")
-    log.info("using %s", manifests[-1].parent)
-    return storage.read_json(str(manifests[-1]))["outputs"]
-
-
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Translate stdin (one English sentence per line) to German.")
-    p.add_argument("--model-dir", help="an average output dir or a checkpoint dir")
-    p.add_argument("--spm", help="SentencePiece model (vocab stage's spm.model)")
-    p.add_argument("--work-dir", help="instead of --model-dir/--spm: the latest average and vocab outputs here")
-    p.add_argument("--config", help="a pipeline config file: its run.work_dir is the --work-dir")
-    p.add_argument("--beam", type=int, default=4)
-    p.add_argument("--alpha", type=float, default=0.6)
-    p.add_argument("--max-len-a", type=float, default=1.0)
-    p.add_argument("--max-len-b", type=int, default=50)
+    d = DecodeSettings()
+    p = argparse.ArgumentParser(description="Translate stdin (one English sentence per line) to German.",
+                                epilog="Name the model with --config (its DAG plan's average + vocab outputs), "
+                                       "--model models:/..., or --model-dir + --spm (pipeline/models.py).")
+    p.add_argument("--config", action="append", default=[], help="the pipeline config file(s) the run used; "
+                   "its --section.key=value overrides may follow")
+    p.add_argument("--work-dir", default="", help="with --config: instead of its run.work_dir (local or s3://)")
+    p.add_argument("--model", default="", help="a registry version: models:/<name>/<version> or models:/<name>@<alias>")
+    p.add_argument("--tracking-uri", default="", help="with --model: the registry's MLflow (default: MLFLOW_TRACKING_URI)")
+    p.add_argument("--model-dir", default="", help="an average output dir or a checkpoint dir (with --spm)")
+    p.add_argument("--spm", default="", help="SentencePiece model (vocab stage's spm.model)")
+    p.add_argument("--beam", type=int, default=d.beam_size)
+    p.add_argument("--alpha", type=float, default=d.alpha)
+    p.add_argument("--max-len-a", type=float, default=d.max_len_a)
+    p.add_argument("--max-len-b", type=int, default=d.max_len_b)
     p.add_argument("--batch-tokens", type=int, default=4000)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args(argv)
+    args, overrides = p.parse_known_args(argv)
+    if [o for o in overrides if not (o.startswith("--") and "=" in o)] or (overrides and not args.config):
+        p.error(f"unrecognized arguments: {' '.join(overrides)} (config overrides go with --config)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.config and not args.work_dir:
-        from pipeline.config import load_config
+    from pipeline.models import ModelNotFound, find_model
 
-        args.work_dir = load_config(args.config).run.work_dir
-    if args.model_dir:
-        model_path, model_config = _find_model(args.model_dir)
-    elif args.work_dir:
-        avg = _latest_outputs(args.work_dir, "average")
-        model_path, model_config = avg["model"], avg["model_config"]
-    else:
-        p.error("give --model-dir or --work-dir")
-    if not args.spm and args.work_dir:
-        args.spm = _latest_outputs(args.work_dir, "vocab")["model"]
-    if not args.spm:
-        p.error("give --spm or --work-dir")
+    try:
+        files = find_model(config=args.config, overrides=overrides, work_dir=args.work_dir, model_uri=args.model,
+                           tracking_uri=args.tracking_uri, model_dir=args.model_dir, spm=args.spm)
+    except ModelNotFound as e:
+        p.error(str(e))
     settings = DecodeSettings(args.beam, args.alpha, args.max_len_a, args.max_len_b)
-    tr = Translator(model_path, model_config, args.spm, asdict(settings), args.device)
-    max_len = max_source_len(tr.cfg.max_positions, args.max_len_a, args.max_len_b)
+    tr = Translator(files.model, files.model_config, files.spm, asdict(settings), args.device)
     lines = sys.stdin.read().splitlines()
-    pieces = [tr.sp.encode(line) for line in lines]
-    sources, truncated = prepare_sources(pieces, max_len, tr.cfg.eos_id)
+    hyps, counts = translate_lines(tr, lines, args.batch_tokens)
+    sys.stdout.write("".join(h + "\n" for h in hyps))
+    log.info("translated %d lines (%d empty, %d truncated) with %s", len(lines), counts["num_empty"],
+             counts["num_truncated"], files.origin)
+
+
+def translate_lines(tr: Translator, lines: Sequence[str], batch_tokens: int) -> tuple[list[str], dict[str, int]]:
+    """Plain-text lines -> hypotheses in the same order (the CLI's and the engine benchmark's loop)."""
+    s = tr.settings
+    sources, truncated = prepare_sources([tr.sp.encode(line) for line in lines],
+                                         max_source_len(tr.cfg.max_positions, s.max_len_a, s.max_len_b), tr.cfg.eos_id)
     hyps = [""] * len(lines)
-    keep = [i for i, s in enumerate(sources) if s is not None]
-    for batch in plan_batches([len(sources[i]) for i in keep], args.batch_tokens):
+    keep = [i for i, src in enumerate(sources) if src is not None]
+    for batch in plan_batches([len(sources[i]) for i in keep], batch_tokens):
         members = [keep[m] for m in batch]
         out, _ = tr.translate_safely([sources[i] for i in members])
         for i, h in zip(members, out):
             hyps[i] = h
-    sys.stdout.write("".join(h + "\n" for h in hyps))
-    log.info("translated %d lines (%d empty, %d truncated)", len(lines), len(lines) - len(keep), sum(truncated))
+    return hyps, {"num_empty": len(lines) - len(keep), "num_truncated": int(sum(truncated))}
 
 
 if __name__ == "__main__":

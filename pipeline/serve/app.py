@@ -1,26 +1,32 @@
 """A Ray Serve application: ``POST /translate {"text": [...]}`` -> ``{"translations": [...]}``.
 
-    serve run pipeline.serve.app:build_app work_dir=work/local                         # our beam search
-    serve run pipeline.serve.app:build_app work_dir=work/local backend=ctranslate2 num_replicas=2 max_batch_size=32
+    serve run pipeline.serve.app:build_app config=configs/local.toml                 # the config's own model
+    serve run pipeline.serve.app:build_app config=configs/base.toml work_dir=s3://bucket/wd backend=ctranslate2
+    serve run pipeline.serve.app:build_app model=models:/transformer-base-en-de/1    # a registry version
+    serve run pipeline.serve.app:build_app model_dir=work/local/average/<key> spm=<spm.model>
 
 Arguments (``key=value`` after the import path, or a dict to ``build_app``) are the fields of
-``ServeSettings``. Each replica loads the model once (``Translator``: ours, or the exported
-CTranslate2 model), and sentences from concurrent requests are decoded together: every
-sentence of a request is one call of a ``@serve.batch`` method, which runs up to
+``ServeSettings``; which model they name is ``pipeline.models.find_model``'s answer (the one
+lookup of the project). Each replica loads the model once (``Translator``: ours, or the
+exported CTranslate2 model), and sentences from concurrent requests are decoded together:
+every sentence of a request is one call of a ``@serve.batch`` method, which runs up to
 ``max_batch_size`` sentences in one beam search (waiting at most ``batch_wait_timeout_s``).
 
-Bad input is answered, never dropped, and never takes the replica down: invalid UTF-8 or JSON,
-a body that is not ``{"text": [...]}``, a non-string, an empty list, more than
-``max_sentences_per_request`` sentences, or a sentence over ``max_sentence_chars`` characters or
-the model's source length (pieces) each get a 4xx whose ``detail`` names the problem (and the
-sentence's index). An empty string translates to "". ``GET /health`` says what is loaded.
+Client mistakes get a 4xx whose ``detail`` names the problem (``pipeline/serve/request.py``:
+body size, UTF-8, JSON, the body's shape; here: a sentence over the model's source length in
+pieces) and never take the replica down; a 500 means a server fault (a sentence failed to
+decode). Overload: a replica takes ``max_ongoing_requests`` at once and the proxy queues
+``max_queued_requests`` more; beyond that Ray Serve answers 503 with ``Retry-After:
+retry_after_s`` at once, so latency stays bounded instead of growing with the queue.
+``max_replicas`` > 0 turns on Ray Serve autoscaling between ``min_replicas`` and ``max_replicas``.
+``GET /health`` says what is loaded.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations (Request).
 import asyncio
 import dataclasses
-import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,89 +34,81 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from ray import serve
 
+from pipeline.config import DecodeSettings
+from pipeline.serve.request import parse_request, read_body
+
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
+# Where the object store is (not who may read it): replicas read the model where the driver found
+# it; credentials come from each node's own environment or instance role, as for every Ray worker.
+STORE_LOCATION_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+                      "STORAGE_EMULATOR_HOST", "MLFLOW_TRACKING_URI")
 
 
 @dataclass
-class ServeSettings:
-    """What ``serve run ... key=value`` may set (strings are converted to these types)."""
+class ServeSettings(DecodeSettings):
+    """What ``serve run ... key=value`` may set (strings are converted to these types); the decode
+    settings (beam_size, alpha, max_len_a, max_len_b) are ``DecodeSettings``'s fields."""
 
-    work_dir: str = ""  # the latest average / vocab / export outputs here; or give the three below
-    model_dir: str = ""  # an `average` output dir (model.pt + model_config.json)
-    spm: str = ""  # the vocab stage's spm.model
-    ct2_model: str = ""  # backend=ctranslate2: an exported CTranslate2 folder (default: work_dir's export)
+    config: str = ""  # pipeline config file(s), comma-separated: serve the model of their DAG plan
+    overrides: str = ""  # with config: the run's --section.key=value overrides, space-separated
+    work_dir: str = ""  # with config: instead of its run.work_dir (a local path or s3://...)
+    model: str = ""  # models:/<name>/<version> or models:/<name>@<alias> (the MLflow Model Registry)
+    tracking_uri: str = ""  # with model: the registry's MLflow (default: MLFLOW_TRACKING_URI)
+    model_dir: str = ""  # explicit paths: an `average` output dir (model.pt + model_config.json) ...
+    spm: str = ""  # ... and the vocab stage's spm.model
+    ct2_model: str = ""  # explicit paths, backend=ctranslate2: an exported CTranslate2 folder
     backend: str = "torch"  # "torch" (our beam search, the reference) | "ctranslate2" (fast path)
-    ct2_quantization: str = "int8"  # which of work_dir's exported CTranslate2 models
-    beam_size: int = 4  # §6.1
-    alpha: float = 0.6  # §6.1 (GNMT length penalty; CTranslate2 applies its own |Y|^alpha)
-    max_len_a: float = 1.0  # §6.1: output budget a * source length + b
-    max_len_b: int = 50
+    ct2_quantization: str = "int8"  # which exported CTranslate2 model (config / registry)
     num_replicas: int = 1
+    min_replicas: int = 1  # with max_replicas > 0: Ray Serve autoscaling between the two
+    max_replicas: int = 0  # 0 = a fixed num_replicas
     num_cpus_per_replica: float = 1.0  # also the torch / CTranslate2 threads of a replica
     max_batch_size: int = 16  # sentences decoded together by one replica
     batch_wait_timeout_s: float = 0.01
+    max_ongoing_requests: int = 16  # requests a replica works on at once (enough to fill a batch)
+    max_queued_requests: int = 8  # requests the proxy holds for busy replicas; beyond: 503
+    retry_after_s: float = 1.0  # the 503's Retry-After
     max_sentences_per_request: int = 64
     max_sentence_chars: int = 2000
+    max_request_bytes: int = 1 << 20  # 64 sentences * 2000 characters fit even as \uXXXX escapes
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "ServeSettings":
         """Typed settings from ``serve run``'s string arguments; unknown keys are an error naming them."""
-        from pipeline.config import typed_fields
+        from pipeline.config import ConfigError, typed_fields
 
         s = cls(**typed_fields(cls, dict(args), "serve run's arguments"))
+        s.check("serve argument ")
         if s.backend not in ("torch", "ctranslate2"):
-            raise ValueError(f"serve argument backend={s.backend!r}: must be torch or ctranslate2")
-        if not s.work_dir and not (s.model_dir and s.spm):
-            raise ValueError("serve: give work_dir=..., or model_dir=... and spm=...")
+            raise ConfigError(f"serve argument backend={s.backend!r}: must be torch or ctranslate2")
+        if s.max_replicas and "num_replicas" in args:
+            raise ConfigError("serve arguments: num_replicas (fixed) and max_replicas (autoscaling) exclude each other")
+        if s.max_replicas and not 0 <= s.min_replicas <= s.max_replicas:
+            raise ConfigError(f"serve arguments: need 0 <= min_replicas ({s.min_replicas}) <= max_replicas "
+                              f"({s.max_replicas})")
+        for key in ("max_ongoing_requests", "max_request_bytes", "max_batch_size", "num_replicas"):
+            if getattr(s, key) < 1:
+                raise ConfigError(f"serve argument {key}={getattr(s, key)}: must be >= 1")
         return s
 
 
-def resolve_model(s: ServeSettings) -> dict[str, Any]:
-    """``Translator`` keyword arguments for these settings (paths from the work dir's latest outputs)."""
-    from pipeline.evaluate import translate
+def find_files(s: ServeSettings) -> Any:
+    """The model these settings name (``pipeline.models.find_model``)."""
+    from pipeline.models import find_model
 
-    if s.model_dir:
-        model_path, model_config = translate._find_model(s.model_dir)
-    else:
-        avg = translate._latest_outputs(s.work_dir, "average")
-        model_path, model_config = avg["model"], avg["model_config"]
-    spm_path = s.spm or translate._latest_outputs(s.work_dir, "vocab")["model"]
-    ct2_model = s.ct2_model
-    if s.backend == "ctranslate2" and not ct2_model:
-        ct2_model = translate._latest_outputs(s.work_dir, "export")[f"ct2_{s.ct2_quantization}"]
-    settings = translate.DecodeSettings(s.beam_size, s.alpha, s.max_len_a, s.max_len_b)
-    return {"model_path": model_path, "model_config": model_config, "spm_path": spm_path,
-            "settings": dataclasses.asdict(settings), "device": "cpu",
-            "num_threads": max(1, int(s.num_cpus_per_replica)), "backend": s.backend, "ct2_model": ct2_model}
+    return find_model(config=[c for c in s.config.split(",") if c], overrides=s.overrides.split(),
+                      work_dir=s.work_dir, model_uri=s.model, tracking_uri=s.tracking_uri,
+                      model_dir=s.model_dir, spm=s.spm, ct2_model=s.ct2_model)
 
 
-def parse_request(body: bytes, max_sentences: int, max_chars: int) -> list[str]:
-    """The sentences of a request body, or an HTTPException naming what is wrong with it."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise HTTPException(400, f"request body is not valid UTF-8 (byte {e.start})") from None
-    try:
-        payload = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise HTTPException(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(payload, dict) or "text" not in payload:
-        raise HTTPException(422, 'request body must be a JSON object {"text": [sentence, ...]}')
-    sentences = payload["text"]
-    if not isinstance(sentences, list):
-        raise HTTPException(422, f'"text" must be a list of strings, got {type(sentences).__name__}')
-    if not sentences:
-        raise HTTPException(422, '"text" is an empty list: nothing to translate')
-    if len(sentences) > max_sentences:
-        raise HTTPException(413, f'"text" has {len(sentences)} sentences; at most {max_sentences} per request')
-    for i, s in enumerate(sentences):
-        if not isinstance(s, str):
-            raise HTTPException(422, f'"text"[{i}] is a {type(s).__name__}, not a string')
-        if len(s) > max_chars:
-            raise HTTPException(413, f'"text"[{i}] has {len(s)} characters; the limit is {max_chars}')
-    return sentences
+def translator_kwargs(s: ServeSettings, files: Any) -> dict[str, Any]:
+    """``Translator`` keyword arguments for these settings and model files."""
+    return {"model_path": files.model, "model_config": files.model_config, "spm_path": files.spm,
+            "settings": dataclasses.asdict(DecodeSettings.of(s)), "device": "cpu",
+            "num_threads": max(1, int(s.num_cpus_per_replica)), "backend": s.backend,
+            "ct2_model": files.ct2_model(s.ct2_quantization) if s.backend == "ctranslate2" else ""}
 
 
 api = FastAPI(title="transformer-repro translation")
@@ -122,14 +120,17 @@ class Translation:
     """One replica: the model loaded once, sentences of concurrent requests batched together."""
 
     def __init__(self, settings: dict[str, Any]):
+        from model import max_source_len
         from pipeline.evaluate import translate
 
         self.s = ServeSettings(**settings)
-        kwargs = resolve_model(self.s)
+        files = find_files(self.s)
+        kwargs = translator_kwargs(self.s, files)
         self.tr = translate.Translator(**kwargs)
-        self.max_source_len = translate.max_source_len(self.tr.cfg.max_positions, self.s.max_len_a, self.s.max_len_b)
+        self.max_source_len = max_source_len(self.tr.cfg.max_positions, self.s.max_len_a, self.s.max_len_b)
         self.info = {"backend": self.s.backend, "model": kwargs["ct2_model"] or kwargs["model_path"],
-                     "beam_size": self.s.beam_size, "max_batch_size": self.s.max_batch_size}
+                     "origin": files.origin, **dataclasses.asdict(DecodeSettings.of(self.s)),
+                     "max_batch_size": self.s.max_batch_size}
         self.translate_one.set_max_batch_size(self.s.max_batch_size)
         self.translate_one.set_batch_wait_timeout_s(self.s.batch_wait_timeout_s)
         log.info("translation replica ready: %s", self.info)
@@ -143,7 +144,8 @@ class Translation:
 
     @api.post("/translate")
     async def translate(self, request: Request) -> dict[str, list[str]]:
-        sentences = parse_request(await request.body(), self.s.max_sentences_per_request, self.s.max_sentence_chars)
+        body = await read_body(request.headers, request.stream(), self.s.max_request_bytes)
+        sentences = parse_request(body, self.s.max_sentences_per_request, self.s.max_sentence_chars)
         ids = [self.tr.sp.encode(s) for s in sentences]
         for i, p in enumerate(ids):
             if len(p) + 1 > self.max_source_len:
@@ -167,13 +169,20 @@ class Translation:
             raise RuntimeError("model not loaded")
 
 
+def deployment_options(s: ServeSettings) -> dict[str, Any]:
+    """Replicas, resources and backpressure for ``Translation.options``."""
+    env = {"PYTHONPATH": str(REPO),  # replicas import this project wherever `serve run` was started
+           **{k: os.environ[k] for k in STORE_LOCATION_ENV if os.environ.get(k)}}
+    scaling: dict[str, Any] = ({"autoscaling_config": {"min_replicas": s.min_replicas, "max_replicas": s.max_replicas,
+                                                        "target_ongoing_requests": s.max_ongoing_requests / 2}}
+                               if s.max_replicas else {"num_replicas": s.num_replicas})
+    return {**scaling, "max_ongoing_requests": s.max_ongoing_requests, "max_queued_requests": s.max_queued_requests,
+            "backpressure_config": {"status_code": 503, "retry_after_s": s.retry_after_s},
+            "ray_actor_options": {"num_cpus": s.num_cpus_per_replica, "runtime_env": {"env_vars": env}}}
+
+
 def build_app(args: dict[str, Any]) -> Any:
     """The application for ``serve run pipeline.serve.app:build_app key=value ...``."""
     s = ServeSettings.from_args(dict(args))
-    resolve_model(s)  # fail in the driver, with the path named, rather than in every replica
-    deployment = Translation.options(
-        num_replicas=s.num_replicas, ray_actor_options={
-            "num_cpus": s.num_cpus_per_replica,
-            # replicas import this project whichever directory `serve run` was started from
-            "runtime_env": {"env_vars": {"PYTHONPATH": str(REPO)}}})
-    return deployment.bind(dataclasses.asdict(s))
+    translator_kwargs(s, find_files(s))  # fail in the driver, naming the stage or file, not in every replica
+    return Translation.options(**deployment_options(s)).bind(dataclasses.asdict(s))

@@ -76,7 +76,7 @@ def test_changing_a_value_reruns_exactly_the_stages_that_read_it(tmp_path, calls
     plans = runner.make_plan(cfg)
     assert "vocab.size: 37000 -> 8000" in {p.stage.name: p.reason for p in plans}["vocab"]
     runner.execute(cfg, plans, NoTracking())
-    assert calls == ["vocab", "encode", "train", "average", "export", "translate", "score"]
+    assert calls == ["vocab", "encode", "train", "average", "export", "translate", "score", "register"]
 
 
 def test_operational_values_change_nothing(tmp_path, calls):
@@ -89,7 +89,7 @@ def test_force_reruns_the_stage_and_what_depends_on_it(tmp_path, calls):
     run_all(cfg_for(tmp_path))
     calls.clear()
     run_all(cfg_for(tmp_path), force=("translate",))
-    assert calls == ["translate", "score"]
+    assert calls == ["translate", "score", "register"]
 
 
 def test_only_reruns_one_stage_and_downstream_becomes_stale(tmp_path, calls):
@@ -115,7 +115,7 @@ def test_a_half_written_stage_is_not_done(tmp_path, calls):
     storage.rmtree(storage.join(plans["average"].out_dir, MANIFEST))  # as if killed before the end
     calls.clear()
     run_all(cfg)
-    assert calls == ["average", "export", "translate", "score"]
+    assert calls == ["average", "export", "translate", "score", "register"]
 
 
 def test_unknown_stage_and_missing_implementation(tmp_path, monkeypatch):

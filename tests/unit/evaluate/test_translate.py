@@ -89,21 +89,6 @@ def test_pad_batch(n):
     assert t[0].tolist()[:2] == [5, 3]
 
 
-def test_cli_finds_the_latest_finished_outputs(tmp_path):
-    import json
-    import os
-
-    for key, mtime in (("old", 1000), ("new", 2000)):
-        d = tmp_path / "average" / key
-        d.mkdir(parents=True)
-        (d / "_manifest.json").write_text(json.dumps({"outputs": {"model": f"{key}/model.pt"}}))
-        os.utime(d / "_manifest.json", (mtime, mtime))
-    (tmp_path / "average" / "unfinished").mkdir()  # no manifest: never used
-    assert translate._latest_outputs(str(tmp_path), "average") == {"model": "new/model.pt"}
-    with pytest.raises(SystemExit, match="no finished 'vocab' stage"):
-        translate._latest_outputs(str(tmp_path), "vocab")
-
-
 def test_a_failing_batch_is_retried_sentence_by_sentence():
     tr = object.__new__(translate.Translator)  # no model needed: translate_ids is stubbed
 

@@ -1,0 +1,150 @@
+"""Which trained model to use, the one lookup of the project: ``serve run``, the translate CLI and
+``benchmarks/decode_bench.py`` all call ``find_model``.
+
+Three ways to name a model, exactly one per call:
+
+- ``config=`` (one or more TOML files, plus the ``--section.key=value`` overrides the run used):
+  the DAG's own cache keys for that config (``pipeline.dag.compute_keys``) name the exact
+  ``average``, ``vocab`` and ``export`` outputs under its ``run.work_dir`` (``work_dir=`` replaces
+  it: a local path or ``s3://``). Each stage on the way must have finished with that key and be
+  current (its recorded upstream manifests are the ones there now); otherwise the error names
+  the stage. Nothing is guessed from file times, so a work dir shared by several configs (the
+  Table 3 runner) serves the config you named.
+- ``model_uri=models:/<name>/<version>`` or ``models:/<name>@<alias>``: a version of the MLflow
+  Model Registry (the ``register`` stage's), downloaded through ``pipeline.registry``.
+- explicit paths: ``model_dir`` (an ``average`` output or a checkpoint folder) and ``spm``, and
+  ``ct2_model`` for the CTranslate2 backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from pipeline import storage
+from pipeline.dag import BY_NAME, ORDER, compute_keys, manifest_digest, read_manifest, stage_dir, upstream_closure
+from pipeline.stage import MANIFEST, Manifest
+
+log = logging.getLogger(__name__)
+
+
+class ModelNotFound(ValueError):
+    """The named model does not exist, or a stage that makes it has not finished: says which."""
+
+
+@dataclass
+class ModelFiles:
+    """Where one trained model's files are (local paths or URIs)."""
+
+    model: str  # our model.pt (the averaged state dict)
+    model_config: dict[str, Any]  # ModelConfig.to_dict()
+    spm: str  # the SentencePiece model
+    origin: str  # what named it (for logs and GET /health)
+    ct2: dict[str, str] = field(default_factory=dict)  # quantization -> CTranslate2 folder
+    hf: str = ""  # the Hugging Face Marian folder, when exported
+    no_ct2: str = ""  # why there is no CTranslate2 model, when there is none
+    ct2_given: str = ""  # an explicit CTranslate2 folder (ct2_model=...), whatever its quantization
+
+    def ct2_model(self, quantization: str) -> str:
+        if self.ct2_given:
+            return self.ct2_given
+        if quantization not in self.ct2:
+            raise ModelNotFound(f"{self.origin}: no CTranslate2 {quantization} model "
+                                f"({self.no_ct2 or 'not exported'}); use backend=torch")
+        return self.ct2[quantization]
+
+
+def find_model(*, config: Sequence[str] = (), overrides: Sequence[str] = (), work_dir: str = "",
+               model_uri: str = "", tracking_uri: str = "", model_dir: str = "", spm: str = "",
+               ct2_model: str = "") -> ModelFiles:
+    """The model named by exactly one of ``config``, ``model_uri`` or ``model_dir`` + ``spm``."""
+    named = [n for n, v in (("config", config), ("model", model_uri), ("model_dir", model_dir)) if v]
+    if len(named) != 1:
+        raise ModelNotFound(f"name one model: config=..., model=models:/..., or model_dir=... spm=... "
+                            f"(got {', '.join(named) or 'none'}"
+                            f"{'; work_dir alone names no model: add the config=... it ran with' if work_dir else ''})")
+    if config:
+        from pipeline.config import load_config
+
+        cfg = load_config(list(config), [*overrides, *([f"--run.work_dir={work_dir}"] if work_dir else [])])
+        return from_config(cfg, f"config {', '.join(config)}")
+    if model_uri:
+        return from_registry(model_uri, tracking_uri)
+    if not spm:
+        raise ModelNotFound(f"model_dir={model_dir}: give spm=... (the vocab stage's spm.model) as well")
+    files = from_model_dir(model_dir, spm)
+    files.ct2_given = ct2_model
+    return files
+
+
+def from_model_dir(model_dir: str, spm: str) -> ModelFiles:
+    """``model.pt`` + config from an ``average`` output dir or a train checkpoint dir."""
+    cfg_uri, meta_uri = storage.join(model_dir, "model_config.json"), storage.join(model_dir, "meta.json")
+    if storage.exists(cfg_uri):
+        model_config = storage.read_json(cfg_uri)
+    elif storage.exists(meta_uri):
+        model_config = storage.read_json(meta_uri)["model_config"]
+    else:
+        raise ModelNotFound(f"{model_dir}: neither model_config.json (average) nor meta.json (checkpoint)")
+    return ModelFiles(storage.join(model_dir, "model.pt"), model_config, spm, origin=model_dir)
+
+
+def finished_stages(cfg: Any, names: Sequence[str], origin: str) -> dict[str, Manifest]:
+    """The manifests of ``names`` (and of every stage they read) at ``cfg``'s keys, each finished
+    and current, or the error naming the first stage that is not (not run with this config, or
+    stale: an upstream stage was rerun after it)."""
+    keys = compute_keys(cfg)
+    wanted = set(names).union(*(upstream_closure(n) for n in names))
+    out: dict[str, Manifest] = {}
+    for name in [n for n in ORDER if n in wanted]:
+        where = stage_dir(cfg, name, keys[name])
+        m = read_manifest(where, keys[name])
+        if m is None:
+            raise ModelNotFound(f"{origin}: stage '{name}' has not finished for this config (no {MANIFEST} "
+                                f"under {where}); run the workflow with this config (and the same "
+                                f"--section.key=value overrides) first")
+        recorded = m.extra.get("upstream_digests", {})
+        stale = [u for u in BY_NAME[name].upstream if recorded.get(u) != manifest_digest(out[u])]
+        if stale:
+            raise ModelNotFound(f"{origin}: stage '{name}' (key {keys[name]}) is stale: upstream "
+                                f"{', '.join(stale)} was rerun since it ran; rerun the workflow")
+        out[name] = m
+    return out
+
+
+def from_config(cfg: Any, origin: str) -> ModelFiles:
+    """The ``average`` / ``vocab`` outputs of this config's plan, and its ``export``'s if finished."""
+    found = finished_stages(cfg, ["average"], origin)
+    avg, vocab = found["average"], found["vocab"]
+    files = ModelFiles(avg.outputs["model"], avg.outputs["model_config"], vocab.outputs["model"],
+                       origin=f"{origin} (average {avg.key})")
+    log.info("model of %s: %s", origin, avg.dir)
+    try:
+        export = finished_stages(cfg, ["export"], origin)["export"].outputs
+    except ModelNotFound as e:  # the torch backend does not need it; asking for CTranslate2 says why
+        files.no_ct2 = str(e)
+        return files
+    files.no_ct2 = export.get("not_exported", "")
+    files.ct2 = {k[len("ct2_"):]: v for k, v in export.items() if k.startswith("ct2_")}
+    files.hf = export.get("hf", "")
+    return files
+
+
+def from_registry(model_uri: str, tracking_uri: str = "") -> ModelFiles:
+    """A registered version (``models:/<name>/<version>`` or ``models:/<name>@<alias>``), downloaded."""
+    from pipeline import registry
+
+    try:
+        folder = registry.download_version(model_uri, tracking_uri)
+    except ValueError as e:
+        raise ModelNotFound(str(e)) from None
+    art = folder / "artifacts"
+    ours = art / registry.OURS
+    if not (ours / "model.pt").exists():
+        raise ModelNotFound(f"{model_uri}: not a version the register stage made (no artifacts/{registry.OURS}/model.pt)")
+    ct2 = {q: str(art / f"ct2-{q}") for q in ("float32", "int8") if (art / f"ct2-{q}").is_dir()}
+    return ModelFiles(str(ours / "model.pt"), storage.read_json(str(ours / "model_config.json")),
+                      str(ours / "spm.model"), origin=model_uri, ct2=ct2,
+                      hf=str(art / "hf") if (art / "hf").is_dir() else "",
+                      no_ct2="" if ct2 else "the version holds no CTranslate2 model")

@@ -1,0 +1,70 @@
+"""The registered model's pyfunc (MLflow "models from code"): sentences in, translations out.
+
+The ``register`` stage saves this file as the model's code; MLflow loads it in
+``mlflow.pyfunc.load_model("models:/<name>/<version>")`` and in ``mlflow models serve``. It
+translates with the version's Hugging Face Marian folder (``artifacts/hf``: ``MarianMTModel`` +
+``MarianTokenizer``, the export stage's exact mapping of ours) and ``generate()`` with the
+decode settings the run used (``artifacts/decode.json``: beam size, alpha as HF's length
+penalty |Y|^alpha), each batch at most a * |longest source| + b tokens long (§6.1,
+``model.search.output_budget``; ``model/`` travels with the version as its code path). It imports neither this project's pipeline nor MLflow's
+``transformers`` flavor.
+
+Deviation: the version is a pyfunc model, not MLflow's ``transformers`` flavor, because that
+flavor builds a ``transformers.pipeline`` and transformers 5 removed the ``translation`` task
+(``KeyError: The task translation_en_to_de has been removed``); the folder inside is the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlflow
+from mlflow.pyfunc import PythonModel
+
+BATCH_SENTENCES = 16
+
+
+def _sentences(model_input: Any) -> list[str]:
+    """A list of strings from what pyfunc and the scoring server hand over (list, array, frame)."""
+    if hasattr(model_input, "columns"):  # a DataFrame: its first (only) column
+        model_input = model_input[model_input.columns[0]]
+    if hasattr(model_input, "tolist"):
+        model_input = model_input.tolist()
+    if isinstance(model_input, str):
+        model_input = [model_input]
+    if not isinstance(model_input, list) or not all(isinstance(s, str) for s in model_input):
+        raise TypeError("input must be a list of strings (sentences to translate)")
+    return model_input
+
+
+class MarianTranslation(PythonModel):
+    def load_context(self, context: Any) -> None:
+        import json
+
+        from transformers import MarianMTModel, MarianTokenizer
+
+        hf = context.artifacts["hf"]
+        self.tok = MarianTokenizer.from_pretrained(hf)
+        self.model = MarianMTModel.from_pretrained(hf).eval()
+        with open(context.artifacts["decode"], encoding="utf-8") as f:
+            self.decode = json.load(f)
+
+    def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> list[str]:
+        import torch
+        from model.search import output_budget
+
+        sentences = _sentences(model_input)
+        out: list[str] = []
+        d = self.decode
+        for i in range(0, len(sentences), BATCH_SENTENCES):
+            batch = self.tok(sentences[i:i + BATCH_SENTENCES], return_tensors="pt", padding=True)
+            longest = int(batch["attention_mask"].sum(dim=1).max())
+            budget = output_budget(longest, d["max_len_a"], d["max_len_b"], self.model.config.max_position_embeddings)
+            with torch.inference_mode():
+                ids = self.model.generate(**batch, num_beams=d["beam_size"], length_penalty=d["alpha"],
+                                          max_new_tokens=budget + 1)  # + 1: the eos
+            out += [" ".join(t.split()) for t in self.tok.batch_decode(ids, skip_special_tokens=True)]
+        return out
+
+
+mlflow.models.set_model(MarianTranslation())
