@@ -205,9 +205,11 @@ class DecodeSettings:
 
     @classmethod
     def of(cls, obj: Any) -> "DecodeSettings":
-        """The decode fields of any object that has them (an EvalConfig, ServeSettings, a dict)."""
-        get = obj.get if isinstance(obj, dict) else lambda k: getattr(obj, k)
-        return cls(**{f.name: get(f.name) for f in dataclasses.fields(cls)})
+        """The decode fields of an object that has them (an EvalConfig, ServeSettings), or of a
+        dict of some of them (the rest default; an unknown key is a TypeError)."""
+        if isinstance(obj, dict):
+            return cls(**obj)
+        return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})
 
     def check(self, prefix: str) -> None:
         _check(self.beam_size >= 1, f"{prefix}beam_size", "must be >= 1")

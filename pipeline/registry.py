@@ -63,12 +63,12 @@ def register_version(tracking_uri: str, run_id: str, name: str, model_folder: Pa
         for k, v in tags.items():
             client.set_model_version_tag(name, existing.version, k, v)
         log.info("registry: %s version %s already holds this model; tags updated", name, existing.version)
-        return existing.version, False
+        return str(existing.version), False
     client.log_artifacts(run_id, str(model_folder), "model")
     source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/model"
     mv = client.create_model_version(name, source, run_id=run_id, tags=tags, description=description)
     log.info("registry: registered %s version %s (run %s)", name, mv.version, run_id)
-    return mv.version, True
+    return str(mv.version), True
 
 
 def resolve_uri(model_uri: str, tracking_uri: str) -> Any:

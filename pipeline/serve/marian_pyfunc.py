@@ -49,7 +49,8 @@ class MarianTranslation(PythonModel):
         with open(context.artifacts["decode"], encoding="utf-8") as f:
             self.decode = json.load(f)
 
-    def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> list[str]:
+    # No type hints here: MLflow would read them as the model's input schema (the signature says it).
+    def predict(self, context, model_input, params=None):
         import torch
         from model.search import output_budget
 

@@ -1,0 +1,153 @@
+"""The ``register`` stage: an MLflow Model Registry version that MLflow's own tools load and serve.
+
+The tiny trained and exported model (tests/integration/conftest.py) is registered with beam 1 so
+that its translations have an independent reference: our greedy search (test_export.py shows the
+Marian folder's greedy outputs equal ours). Checked with MLflow itself: the version's tags and run,
+``mlflow.pyfunc.load_model("models:/...")``, ``mlflow models serve --env-manager local``, the
+local SQLite store and the tracking server the suite starts; a second registration of the same
+export output adds no version, a new export output does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+
+import pytest
+
+from pipeline.config import Config
+from pipeline.stage import Manifest, StageContext
+from tests.support.mlflow_server import mlflow_uri  # noqa: F401 - fixture
+from tests.support.procs import BIN, free_port, start, stop, wait_http
+
+pytestmark = pytest.mark.slow
+
+NAME = "transformer-base-en-de"  # Config()'s model section is Table 3 base
+NUM_SENTENCES = 6
+
+
+def _manifests(tiny_model, tiny_export, finished: str) -> dict[str, Manifest]:
+    return {"average": Manifest("average", "avgkey", tiny_model["model_dir"],
+                                {"model": tiny_model["model"], "model_config": tiny_model["model_config"]},
+                                extra={"upstream_keys": {"train": "trainkey"}}),
+            "vocab": Manifest("vocab", "vocabkey", "", {"model": tiny_model["spm"]}),
+            "export": Manifest("export", "exportkey", "", {**tiny_export, "model_config": tiny_model["model_config"]},
+                               extra={"finished": finished}),
+            "score": Manifest("score", "scorekey", "", {"scores": {"test": {"bleu_sacre": 1.5, "chrf": 20.25}}})}
+
+
+def _register(uri: str, tiny_model, tiny_export, tmp_path, finished: str = "2026-12-01T10:00:00") -> dict:
+    from mlflow import MlflowClient
+
+    from pipeline.serve import register
+    from pipeline.tracking import RunLogger
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("register-test")
+    exp_id = exp.experiment_id if exp else client.create_experiment(
+        "register-test", artifact_location=None if uri.startswith("http") else str(tmp_path / "art"))
+    run = client.create_run(exp_id)
+    cfg = Config()
+    cfg.eval.beam_size = 1  # greedy: comparable with our greedy_search
+    ctx = StageContext("register", "k", cfg, str(tmp_path / "register"), _manifests(tiny_model, tiny_export, finished),
+                       tracker=RunLogger(uri, run.info.run_id))
+    out = register.run(ctx).outputs
+    client.set_terminated(run.info.run_id)
+    return {**out, "run_id": run.info.run_id}
+
+
+@pytest.fixture(scope="module")
+def sentences(wmt14_dir) -> list[str]:
+    return (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:NUM_SENTENCES]
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_model, sentences) -> list[str]:
+    """Our greedy search, detokenized as the server does: the reference."""
+    from pipeline.evaluate.translate import Translator
+
+    tr = Translator(tiny_model["model"], tiny_model["model_config"], tiny_model["spm"], {"beam_size": 1})
+    return [tr.translate_ids([tr.sp.encode(s) + [tr.cfg.eos_id]])[0] for s in sentences]
+
+
+@pytest.fixture(scope="module")
+def sqlite_registry(tiny_model, tiny_export, tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("registry")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    return {"uri": uri, "first": _register(uri, tiny_model, tiny_export, tmp), "tmp": tmp}
+
+
+def test_a_version_with_its_run_scores_and_config(sqlite_registry):
+    from mlflow import MlflowClient
+
+    first, uri = sqlite_registry["first"], sqlite_registry["uri"]
+    assert first["created"] and first["model_uri"] == f"models:/{NAME}/1"
+    client = MlflowClient(uri, registry_uri=uri)
+    v = client.get_model_version(NAME, "1")
+    assert v.run_id == first["run_id"]
+    assert v.tags["test/bleu_sacre"] == "1.5" and v.tags["test/chrf"] == "20.25"
+    assert v.tags["train_key"] == "trainkey" and v.tags["average_key"] == "avgkey"
+    assert json.loads(v.tags["config"])["eval"]["beam_size"] == 1 and v.tags["decode.beam_size"] == "1"
+    files = {a.path for a in client.list_artifacts(first["run_id"], "model/artifacts")}
+    assert {f"model/artifacts/{d}" for d in ("hf", "ours", "ct2-float32", "ct2-int8")} <= files
+
+
+def test_the_same_export_again_adds_no_version_a_new_one_does(sqlite_registry, tiny_model, tiny_export):
+    from mlflow import MlflowClient
+
+    uri, tmp = sqlite_registry["uri"], sqlite_registry["tmp"]
+    again = _register(uri, tiny_model, tiny_export, tmp)
+    assert (again["version"], again["created"]) == ("1", False)
+    forced = _register(uri, tiny_model, tiny_export, tmp, finished="2026-12-01T11:00:00")  # a rerun export
+    assert (forced["version"], forced["created"]) == ("2", True)
+    versions = MlflowClient(uri, registry_uri=uri).search_model_versions(f"name = '{NAME}'")
+    assert sorted(str(v.version) for v in versions) == ["1", "2"]
+
+
+def test_pyfunc_load_model_translates_like_our_greedy_search(sqlite_registry, sentences, greedy):
+    import mlflow
+
+    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    mlflow.set_tracking_uri(sqlite_registry["uri"])
+    mlflow.set_registry_uri(sqlite_registry["uri"])
+    try:
+        model = mlflow.pyfunc.load_model(f"models:/{NAME}/1")
+        one_by_one = [model.predict([s])[0] for s in sentences]
+        together = model.predict(sentences)
+    finally:
+        mlflow.set_tracking_uri(before[0])
+        mlflow.set_registry_uri(before[1])
+    assert one_by_one == greedy
+    assert len(together) == len(sentences) and all(isinstance(t, str) for t in together)
+
+
+def test_mlflow_models_serve_answers(sqlite_registry, sentences, greedy, tmp_path):
+    port = free_port()
+    env = {"MLFLOW_TRACKING_URI": sqlite_registry["uri"], "MLFLOW_REGISTRY_URI": sqlite_registry["uri"],
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}  # it execs `uvicorn`, as in an activated venv
+    proc = start([str(BIN / "mlflow"), "models", "serve", "-m", f"models:/{NAME}/1", "--env-manager", "local",
+                  "-h", "127.0.0.1", "-p", str(port), "-w", "1"], tmp_path / "models-serve.log", env=env)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ping", timeout_s=240, proc=proc)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", method="POST",
+                                     data=json.dumps({"inputs": sentences[:1]}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())
+    finally:
+        stop(proc, timeout_s=10)
+    assert answer["predictions"] == greedy[:1], (tmp_path / "models-serve.log").read_text()[-3000:]
+
+
+def test_the_tracking_server_holds_versions_that_serve_can_resolve(mlflow_uri, tiny_model, tiny_export,  # noqa: F811
+                                                                   tmp_path, sentences, greedy):
+    from pipeline.evaluate.translate import Translator
+    from pipeline.models import find_model
+
+    out = _register(mlflow_uri, tiny_model, tiny_export, tmp_path)
+    assert out["created"] and out["version"] == "1"
+    files = find_model(model_uri=out["model_uri"], tracking_uri=mlflow_uri)
+    assert set(files.ct2) == {"float32", "int8"} and os.path.isdir(files.hf)
+    tr = Translator(files.model, files.model_config, files.spm, {"beam_size": 1})
+    assert [tr.translate_ids([tr.sp.encode(s) + [tr.cfg.eos_id]])[0] for s in sentences] == greedy
