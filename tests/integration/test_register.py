@@ -16,45 +16,13 @@ import urllib.request
 
 import pytest
 
-from pipeline.config import Config
-from pipeline.stage import Manifest, StageContext
 from tests.support.mlflow_server import mlflow_uri  # noqa: F401 - fixture
 from tests.support.procs import BIN, free_port, start, stop, wait_http
+from tests.support.registered import NAME, register_tiny
 
 pytestmark = pytest.mark.slow
 
-NAME = "transformer-base-en-de"  # Config()'s model section is Table 3 base
 NUM_SENTENCES = 6
-
-
-def _manifests(tiny_model, tiny_export, finished: str) -> dict[str, Manifest]:
-    return {"average": Manifest("average", "avgkey", tiny_model["model_dir"],
-                                {"model": tiny_model["model"], "model_config": tiny_model["model_config"]},
-                                extra={"upstream_keys": {"train": "trainkey"}}),
-            "vocab": Manifest("vocab", "vocabkey", "", {"model": tiny_model["spm"]}),
-            "export": Manifest("export", "exportkey", "", {**tiny_export, "model_config": tiny_model["model_config"]},
-                               extra={"finished": finished}),
-            "score": Manifest("score", "scorekey", "", {"scores": {"test": {"bleu_sacre": 1.5, "chrf": 20.25}}})}
-
-
-def _register(uri: str, tiny_model, tiny_export, tmp_path, finished: str = "2026-12-01T10:00:00") -> dict:
-    from mlflow import MlflowClient
-
-    from pipeline.serve import register
-    from pipeline.tracking import RunLogger
-
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("register-test")
-    exp_id = exp.experiment_id if exp else client.create_experiment(
-        "register-test", artifact_location=None if uri.startswith("http") else str(tmp_path / "art"))
-    run = client.create_run(exp_id)
-    cfg = Config()
-    cfg.eval.beam_size = 1  # greedy: comparable with our greedy_search
-    ctx = StageContext("register", "k", cfg, str(tmp_path / "register"), _manifests(tiny_model, tiny_export, finished),
-                       tracker=RunLogger(uri, run.info.run_id))
-    out = register.run(ctx).outputs
-    client.set_terminated(run.info.run_id)
-    return {**out, "run_id": run.info.run_id}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +43,7 @@ def greedy(tiny_model, sentences) -> list[str]:
 def sqlite_registry(tiny_model, tiny_export, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("registry")
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    return {"uri": uri, "first": _register(uri, tiny_model, tiny_export, tmp), "tmp": tmp}
+    return {"uri": uri, "first": register_tiny(uri, tiny_model, tiny_export, tmp), "tmp": tmp}
 
 
 def test_a_version_with_its_run_scores_and_config(sqlite_registry):
@@ -97,9 +65,9 @@ def test_the_same_export_again_adds_no_version_a_new_one_does(sqlite_registry, t
     from mlflow import MlflowClient
 
     uri, tmp = sqlite_registry["uri"], sqlite_registry["tmp"]
-    again = _register(uri, tiny_model, tiny_export, tmp)
+    again = register_tiny(uri, tiny_model, tiny_export, tmp)
     assert (again["version"], again["created"]) == ("1", False)
-    forced = _register(uri, tiny_model, tiny_export, tmp, finished="2026-12-01T11:00:00")  # a rerun export
+    forced = register_tiny(uri, tiny_model, tiny_export, tmp, finished="2026-12-01T11:00:00")  # a rerun export
     assert (forced["version"], forced["created"]) == ("2", True)
     versions = MlflowClient(uri, registry_uri=uri).search_model_versions(f"name = '{NAME}'")
     assert sorted(str(v.version) for v in versions) == ["1", "2"]
@@ -145,7 +113,7 @@ def test_the_tracking_server_holds_versions_that_serve_can_resolve(mlflow_uri, t
     from pipeline.evaluate.translate import Translator
     from pipeline.models import find_model
 
-    out = _register(mlflow_uri, tiny_model, tiny_export, tmp_path)
+    out = register_tiny(mlflow_uri, tiny_model, tiny_export, tmp_path)
     assert out["created"] and out["version"] == "1"
     files = find_model(model_uri=out["model_uri"], tracking_uri=mlflow_uri)
     assert set(files.ct2) == {"float32", "int8"} and os.path.isdir(files.hf)
