@@ -3,21 +3,26 @@
 Starts its own local Ray and the app on 127.0.0.1, then N client threads each send
 ``POST /translate`` requests of ``--sentences-per-request`` newstest2014 sentences back to back
 for ``--duration-s`` seconds (bounded: every request has a timeout; no request is started after
-the deadline). Prints requests/s, sentences/s, p50 / p99 latency, and sent vs answered: a lost
-request (no answer, or not 200) is counted and reported, never hidden.
+the deadline). A ``--bad-fraction`` of the requests are client mistakes (bad JSON, an unknown
+key, a lone surrogate, too many sentences, JSON nested too deep), which must get a 4xx; a 503
+(the server's backpressure) makes that client wait its Retry-After, as a polite client does.
+Prints sentences/s (of the 200s), p50 / p99 latency of the 200s, the count of each status, and
+requests without an answer (a timeout, a reset): counted and reported, never hidden.
 
-    .venv/bin/python benchmarks/serve_bench.py [--clients 8] [--duration-s 30] [--backend torch|ctranslate2]
-                                               [--max-batch-size 16] [--replicas 1] [--work-dir work/local]
+    .venv/bin/python benchmarks/serve_bench.py [--clients 32] [--bad-fraction 0.2] [--duration-s 30]
+        [--backend torch|ctranslate2] [--max-batch-size 16] [--replicas 1] [--config configs/local.toml]
 
-Weights: ``--work-dir``'s latest averaged model (and export), else the tiny model of
+Weights: the model of ``--config`` (its DAG plan's outputs), else the tiny model of
 tests/support/tiny_model.py trained here (~30 s) and exported here.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -35,9 +40,9 @@ log = logging.getLogger("serve_bench")
 
 def app_args(args: argparse.Namespace, root: Path) -> dict:
     common = {"backend": args.backend, "max_batch_size": args.max_batch_size, "num_replicas": args.replicas,
-              "beam_size": args.beam, "max_sentences_per_request": max(64, args.sentences_per_request)}
-    if args.work_dir:
-        return {"work_dir": args.work_dir, **common}
+              "beam_size": args.beam, "max_sentences_per_request": MAX_SENTENCES}
+    if args.config:
+        return {"config": args.config, **common}
     from pipeline.serve.export import export_all
     from tests.support.tiny_model import train_tiny_model
 
@@ -48,33 +53,46 @@ def app_args(args: argparse.Namespace, root: Path) -> dict:
     return out
 
 
-def client(url: str, bodies: list[bytes], deadline: float, timeout_s: float, out: list) -> None:
-    """Send bodies round-robin until the deadline; append (latency_s, status) per request."""
+MAX_SENTENCES = 64
+# Client mistakes, each answered with a 4xx by pipeline/serve/request.py (never a 500).
+BAD_BODIES = (b'{"text": ["a", ', b'{"text": ["Hello."], "beam": 100}', b'{"text": ["\\ud800"]}',
+              json.dumps({"text": ["a"] * (MAX_SENTENCES + 1)}).encode(), b'{"text": [[[[["a"]]]]]}')
+
+
+def client(url: str, good: list[bytes], bad_every: int, deadline: float, timeout_s: float, out: list,
+           offset: int = 0) -> None:
+    """Send bodies until the deadline, every ``bad_every``-th a bad one (0: none); append
+    (good, latency_s, status) per request."""
     i = 0
     while time.monotonic() < deadline:
-        req = urllib.request.Request(url, data=bodies[i % len(bodies)], method="POST",
-                                     headers={"Content-Type": "application/json"})
-        start = time.monotonic()
+        is_good = not (bad_every and i % bad_every == bad_every - 1)
+        body = good[i % len(good)] if is_good else BAD_BODIES[(i // bad_every + offset) % len(BAD_BODIES)]
+        req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
+        start, wait_s = time.monotonic(), 0.0
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 r.read()
                 status = r.status
         except urllib.error.HTTPError as e:
             status = e.code
+            if status == 503:
+                wait_s = float(e.headers.get("Retry-After") or 1)
         except OSError:
             status = 0  # no answer (timeout, connection reset): lost
-        out.append((time.monotonic() - start, status))
+        out.append((is_good, time.monotonic() - start, status))
+        time.sleep(max(0.0, min(wait_s, deadline - time.monotonic())))
         i += 1
 
 
 def run_load(url: str, sentences: list[str], args: argparse.Namespace) -> dict:
     k = args.sentences_per_request
-    bodies = [json.dumps({"text": sentences[i: i + k]}).encode() for i in range(0, len(sentences) - k + 1, k)]
     results: list[list] = [[] for _ in range(args.clients)]
     deadline = time.monotonic() + args.duration_s
     start = time.monotonic()
-    threads = [threading.Thread(target=client, args=(url, bodies[c::args.clients] or bodies, deadline,
-                                                       args.request_timeout_s, results[c]))
+    good = [json.dumps({"text": sentences[i: i + k]}).encode() for i in range(0, len(sentences) - k + 1, k)]
+    bad_every = round(1 / args.bad_fraction) if args.bad_fraction > 0 else 0
+    threads = [threading.Thread(target=client, args=(url, good[c::args.clients] or good, bad_every, deadline,
+                                                       args.request_timeout_s, results[c], c))
                for c in range(args.clients)]
     for t in threads:
         t.start()
@@ -82,19 +100,26 @@ def run_load(url: str, sentences: list[str], args: argparse.Namespace) -> dict:
         t.join()
     wall = time.monotonic() - start
     done = [r for rs in results for r in rs]
-    ok = sorted(lat for lat, status in done if status == 200)
+    ok = sorted(lat for good, lat, status in done if status == 200)
     q = statistics.quantiles(ok, n=100) if len(ok) >= 2 else [float("nan")] * 99
-    return {"clients": args.clients, "sentences_per_request": k, "duration_s": wall, "requests_sent": len(done),
-            "requests_ok": len(ok), "requests_lost": len(done) - len(ok), "requests_per_s": len(ok) / wall,
+    bad = [status for good, _, status in done if not good]
+    return {"clients": args.clients, "sentences_per_request": k, "bad_fraction": args.bad_fraction,
+            "duration_s": wall, "requests_sent": len(done), "requests_ok": len(ok),
+            "statuses": dict(sorted(collections.Counter(str(s) for _, _, s in done).items())),
+            "bad_requests_sent": len(bad), "bad_requests_4xx": sum(400 <= s < 500 for s in bad),
+            "good_requests_not_200": sum(s != 200 for good, _, s in done if good),
+            "requests_unanswered": sum(s == 0 for _, _, s in done),
+            "requests_500": sum(s == 500 for _, _, s in done), "requests_per_s": len(ok) / wall,
             "sentences_per_s": len(ok) * k / wall, "latency_p50_s": q[49], "latency_p99_s": q[98]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "wmt14"))
-    p.add_argument("--work-dir", default="")
+    p.add_argument("--data", default=os.environ.get("WMT14_DATA") or str(REPO.parent / "shared" / "data" / "wmt14"))
+    p.add_argument("--config", default="", help="serve this pipeline config's model (else a tiny one)")
+    p.add_argument("--bad-fraction", type=float, default=0.2, help="share of requests that are client mistakes")
     p.add_argument("--backend", default="torch", choices=("torch", "ctranslate2"))
-    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--clients", type=int, default=32)
     p.add_argument("--duration-s", type=float, default=30.0)
     p.add_argument("--request-timeout-s", type=float, default=60.0)
     p.add_argument("--sentences-per-request", type=int, default=2)
@@ -108,7 +133,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from pipeline.serve.app import build_app
+    from pipeline.serve.app import ServeSettings, build_app
     from tests.support.procs import free_port
 
     sentences = (Path(args.data) / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:400]
@@ -121,16 +146,20 @@ def main() -> None:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             serve.run(app, name="translation", route_prefix="/")
             url = f"http://127.0.0.1:{port}/translate"
-            run_load(url, sentences[:8], argparse.Namespace(**{**vars(args), "clients": 1, "duration_s": 2.0}))
+            run_load(url, sentences[:8], argparse.Namespace(**{**vars(args), "clients": 1, "duration_s": 2.0,
+                                                               "bad_fraction": 0.0}))
+            limits = ServeSettings()
             res = {"backend": args.backend, "replicas": args.replicas, "max_batch_size": args.max_batch_size,
+                   "max_ongoing_requests": limits.max_ongoing_requests,
+                   "max_queued_requests": limits.max_queued_requests,
                    "beam_size": args.beam, **run_load(url, sentences, args)}
         finally:
             serve.shutdown()
             ray.shutdown()
-    log.info("%d clients, %.0f s: %.1f requests/s, %.1f sentences/s, p50 %.3f s, p99 %.3f s; "
-             "%d sent, %d answered 200, %d lost", res["clients"], res["duration_s"], res["requests_per_s"],
-             res["sentences_per_s"], res["latency_p50_s"], res["latency_p99_s"], res["requests_sent"],
-             res["requests_ok"], res["requests_lost"])
+    log.info("%d clients (%.0f%% bad requests), %.0f s: %.1f sentences/s, p50 %.3f s, p99 %.3f s; statuses %s; "
+             "%d bad -> %d 4xx; %d unanswered", res["clients"], 100 * res["bad_fraction"], res["duration_s"],
+             res["sentences_per_s"], res["latency_p50_s"], res["latency_p99_s"], res["statuses"],
+             res["bad_requests_sent"], res["bad_requests_4xx"], res["requests_unanswered"])
     print(json.dumps(res, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
