@@ -64,4 +64,9 @@ def test_local_mode_end_to_end(tmp_path, mirror_dir, capsys, monkeypatch):
     rc, out = run([*args, "--force", "translate"], capsys)
     assert rc == 0
     actions = plan_actions(out)
-    assert {s for s, a in actions.items() if a == "run"} == {"translate", "score"}, out
+    assert {s for s, a in actions.items() if a == "run"} == {"translate", "score", "register"}, out
+    # The registry: one version for the one export output, the rerun's scores on it (register reran)
+    store = f"sqlite:///{tmp_path / 'work'}/mlflow.db"
+    registry = MlflowClient(store, registry_uri=store)
+    (version,) = registry.search_model_versions("name = 'transformer-custom-en-de'")
+    assert float(version.tags["test/bleu_sacre"]) == pytest.approx(parent.data.metrics["test/bleu_sacre"])
