@@ -14,7 +14,7 @@ section that overruns it); a section that cannot run says why. Prints a table an
 - the largest `train.max_tokens_per_batch` that fits for base and big: a fwd + bwd + Adam step on
   micro-batches of pairs at train.max_len (256 pieces, the worst case), grown until out of memory;
 - DDP on one GPU (NCCL, world size 1, the bf16 gradient-compression hook): the loop's step through
-  `pipeline.train.step.ddp_wrap`, tokens/s vs the plain model;
+  `pipeline.train.step.distributed(always=True)`, tokens/s vs the plain model;
 - beam-4 decoding (alpha 0.6, max length input + 50) of newstest2014-length sentences with a
   random base model (a random model rarely stops early: a worst case);
 - CTranslate2 decoding: named as skipped when `ctranslate2` is absent.
@@ -164,7 +164,7 @@ def train(pr: Profile, size: str, compile_: bool, train_dir: Path, work: Path) -
     spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(train_dir))
     trainer = Trainer(spec, LocalSession(work / f"ckpt-{size}-{compile_}", device=pr.device))
     summary = trainer.run()
-    tps = trainer.last_metrics["train/tgt_tokens_per_s"]
+    tps = trainer.metrics.last["train/tgt_tokens_per_s"]
     src_per_tgt = summary["tokens_seen"]["src"] / max(summary["tokens_seen"]["tgt"], 1)
     step_flops = model_flops_per_step(mc, int(pr.tokens_per_step * src_per_tgt), pr.tokens_per_step)
     return {"tgt_tokens_per_s": tps, "model_flops_per_step": step_flops, "precision": trainer.precision,

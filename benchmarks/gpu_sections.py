@@ -17,7 +17,9 @@ from model import ModelConfig, Transformer, beam_search, make_optimizer, make_sc
 from pipeline.train import batching
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.loop import Trainer
-from pipeline.train.step import accumulate_gradients, ddp_wrap, optimizer_step, to_device
+from pipeline.train.feeder import HostBatcher
+from pipeline.train.metrics import Window
+from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, to_device
 
 
 def count_syncs(trainer: Trainer, device: str, steps: int = 10) -> tuple[float, int]:
@@ -139,17 +141,16 @@ def ddp_section(pr: Any, trainer: Trainer, plain_tps: float) -> tuple[dict, str]
     try:
         # bf16_compress_hook needs NCCL (CUDA) or XCCL: the smoke's gloo DDP runs without it.
         hook = "bf16" if backend == "nccl" else "none"
-        ddp = ddp_wrap(trainer.forward_model, trainer.device, hook)
+        ddp = distributed(trainer.forward_model, trainer.device, 1, hook, always=True)
         plan = trainer._plan(1)[: pr.train_steps["base"]]
-        from pipeline.train.loop import _Window
-
-        windows = []
+        host = HostBatcher(trainer.train_data, trainer.mcfg, 0, 1, trainer.tc.max_tokens_per_batch, trainer.device)
+        windows: list[Window] = []
         for i, group in enumerate(plan):
             if i == len(plan) // 2:  # the second half is measured (warm)
                 if pr.device.startswith("cuda"):
                     torch.cuda.synchronize()
-                windows.append(_Window())
-            trainer._train_step(ddp, trainer._host_batches(group), windows[-1] if windows else _Window())
+                windows.append(Window())
+            trainer._train_step(ddp, host(group), windows[-1] if windows else Window())
         loss = float(windows[-1].loss) / windows[-1].tokens_tgt
         if pr.device.startswith("cuda"):
             torch.cuda.synchronize()

@@ -210,7 +210,7 @@ def ray_main(args) -> None:
             trainer = Trainer(LoopSpec(**{**spec, "num_threads": cpus}), LocalSession(work / f"local-{r}"))
             trainer.run()
             results.setdefault("same loop in-process, no Ray", []).append(
-                trainer.last_metrics["train/tgt_tokens_per_s"])
+                trainer.metrics.last["train/tgt_tokens_per_s"])
             results.setdefault("bare model step", []).append(
                 run_bare(steps[args.steps // 2:], cfg, mc, cpu)["tgt_tokens_per_s"])
     best = {k: max(v) for k, v in results.items()}
