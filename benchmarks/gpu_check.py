@@ -1,29 +1,42 @@
 """The GPU path, checked in one go (run by benchmarks/gpu_check.sh; <= 8 minutes on one GPU).
 
-Prints one table:
-- Transformer base train steps at 25k target tokens per step, bf16, eager and torch.compile'd
-  (the real loop, `pipeline.train.loop.Trainer`, on synthetic shards with WMT14-like lengths):
-  target tokens/s and MFU against the GPU's peak (--peak-flops; model FLOPs = 6 x the matmul
-  parameters each real token passes through, attention scores left out, so MFU is a lower bound);
-- host syncs per step (`torch.cuda.set_sync_debug_mode("warn")`) on plain steps, and on the step
-  that logs and checkpoints;
-- the loop's stall per checkpoint (`checkpoint.save` to local disk; the upload runs in the
-  background with train.checkpoint_upload = "async");
-- beam-4 decoding (alpha 0.6, max length input + 50) of 500 newstest2014-length sentences with a
-  random base model, in sentences/s (a random model rarely stops early: a worst case).
-Nothing is installed: it needs a Python whose torch sees the GPU (PYTHON=..., default .venv).
+Needs only torch >= 2.11 (CUDA build), numpy, pyarrow and sentencepiece on Python >= 3.11: no Ray,
+MLflow, sacremoses, CTranslate2, transformers or FastAPI (tests/unit/core/test_gpu_check_smoke.py
+runs `--smoke` with those made unimportable). Each section has a time budget (SIGALRM ends a
+section that overruns it); a section that cannot run says why. Prints a table and writes JSON:
+
+- train base / big, bf16, eager and torch.compile'd: the real loop (`pipeline.train.loop.Trainer`)
+  on synthetic shards with WMT14-like lengths at 25k target tokens per step, accum 1: target
+  tokens/s of the second (warm) half and MFU against --peak-flops (model FLOPs = 6 x the matmul
+  parameters each real token passes through, attention scores left out: a lower bound);
+- host syncs per step (`torch.cuda.set_sync_debug_mode("warn")`), plain and log+checkpoint steps;
+- the loop's stall per checkpoint (`checkpoint.save` to local disk; uploads run in the background);
+- the largest `train.max_tokens_per_batch` that fits for base and big: a fwd + bwd + Adam step on
+  micro-batches of pairs at train.max_len (256 pieces, the worst case), grown until out of memory;
+- DDP on one GPU (NCCL, world size 1, the bf16 gradient-compression hook): the loop's step through
+  `pipeline.train.step.distributed(always=True)`, tokens/s vs the plain model;
+- beam-4 decoding (alpha 0.6, max length input + 50) of newstest2014-length sentences with a
+  random base model (a random model rarely stops early: a worst case);
+- CTranslate2 decoding: named as skipped when `ctranslate2` is absent.
+
+`--smoke`: tiny models on the CPU, small budgets, every section's code path in well under a
+minute; it measures nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
+import platform
+import signal
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -32,29 +45,93 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from model import ModelConfig, Transformer, beam_search  # noqa: E402
+from model import ModelConfig  # noqa: E402
 from pipeline.config import Config  # noqa: E402
-from pipeline.train import checkpoint as train_checkpoint  # noqa: E402
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer  # noqa: E402
 import scale_bench  # noqa: E402
+from gpu_sections import checkpoint_stall, count_syncs, ddp_section, decode_section, fit_section  # noqa: E402
 
-VOCAB = 37000
-DEVICE = "cuda:0"
-TINY = False  # --smoke: a tiny model on CPU, to check this script itself where no GPU is at hand
-
-
-def model_config() -> ModelConfig:
-    if TINY:
-        return ModelConfig(vocab_size=VOCAB, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1)
-    return ModelConfig.base(VOCAB)
+TOTAL_BUDGET_S = 450  # gpu_check.sh kills at 480 s; this leaves time to write the table and JSON
 
 
-def lengths(mirror: Path | None, rng: np.random.Generator, n: int = 30000) -> np.ndarray:
-    """(n, 2) word counts: the mirror's real EN-DE pairs when present, else a lognormal fit of them."""
-    if mirror is not None and mirror.is_dir():
-        return scale_bench.mirror_lengths(mirror)
-    w = np.exp(rng.normal(2.95, 0.75, size=n))  # mean ~22 words, the mirror's shape (stated)
-    return np.stack([w, w * rng.uniform(0.8, 1.2, size=n)], 1).clip(1, 200).astype(np.int64)
+class Profile:
+    """Sizes and budgets: the real ones on a GPU, tiny ones for --smoke on a CPU."""
+
+    def __init__(self, smoke: bool):
+        self.smoke = smoke
+        self.device = "cpu" if smoke else "cuda:0"
+        self.vocab = 300 if smoke else 37000
+        self.tokens_per_step = 600 if smoke else 25000
+        self.train_steps = {"base": 4, "big": 4} if smoke else {"base": 30, "big": 20}
+        self.corpus_pairs = 3000 if smoke else 200_000
+        self.max_len = 256
+        self.fit_range = (600, 1200) if smoke else (25000, 2_000_000)  # max_tokens_per_batch search
+        self.decode_sentences = 8 if smoke else 500
+        self.compile_backend = "eager" if smoke else "inductor"  # smoke: dynamo's capture only
+        s = 0.25 if smoke else 1.0
+        self.budget = {k: max(10.0, v * s) for k, v in {
+            "train base eager": 60, "host syncs": 20, "checkpoint stall": 20, "fit base": 45,
+            "ddp nccl": 30, "beam-4 decode": 45, "train base compiled": 100, "train big eager": 45,
+            "fit big": 45, "train big compiled": 100, "ctranslate2 decode": 10}.items()}
+
+    def model(self, size: str) -> ModelConfig:
+        if self.smoke:
+            d = 16 if size == "base" else 32
+            return ModelConfig(vocab_size=self.vocab, d_model=d, d_ff=2 * d, n_heads=2, n_encoder_layers=1,
+                               n_decoder_layers=1, max_positions=self.max_len + 2)
+        return ModelConfig.base(self.vocab) if size == "base" else ModelConfig.big(self.vocab)
+
+
+class _Overrun(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def alarm(seconds: float):
+    """Raise _Overrun in the main thread after `seconds` (a section over its budget)."""
+    def fire(*_):
+        raise _Overrun(f"over its budget of {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class Report:
+    """Rows of the table and the JSON, one entry per section (ok, skipped with a reason, failed)."""
+
+    def __init__(self, total_budget_s: float):
+        self.t0, self.total = time.perf_counter(), total_budget_s
+        self.sections: dict[str, dict[str, Any]] = {}
+        self.rows: list[tuple[str, str]] = []
+
+    def skip(self, name: str, reason: str) -> None:
+        self.sections[name] = {"status": "skipped", "reason": reason}
+        self.rows.append((name, f"SKIPPED: {reason}"))
+
+    def run(self, name: str, budget_s: float, fn: Callable[[], tuple[dict, str]]) -> dict | None:
+        left = self.total - (time.perf_counter() - self.t0)
+        if left < budget_s:
+            self.skip(name, f"not started: {left:.0f} s left of the {self.total:.0f} s budget, it needs up to "
+                            f"{budget_s:.0f} s")
+            return None
+        t0 = time.perf_counter()
+        try:
+            with alarm(budget_s):
+                figures, text = fn()
+        except Exception as e:  # noqa: BLE001 (every section reports; one failure is not the end)
+            self.sections[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                                   "wall_s": time.perf_counter() - t0, "budget_s": budget_s}
+            self.rows.append((name, f"FAILED after {time.perf_counter() - t0:.0f} s: {type(e).__name__}: {e}"))
+            return None
+        wall = time.perf_counter() - t0
+        self.sections[name] = {"status": "ok", "wall_s": wall, "budget_s": budget_s, **figures}
+        self.rows.append((name, f"{text} ({wall:.0f} s)"))
+        return figures
 
 
 def model_flops_per_step(mc: ModelConfig, src_tokens: int, tgt_tokens: int) -> float:
@@ -65,148 +142,147 @@ def model_flops_per_step(mc: ModelConfig, src_tokens: int, tgt_tokens: int) -> f
                   + tgt_tokens * d * V)
 
 
-def train_run(train_dir: Path, work: Path, steps: int, compile_: bool) -> tuple[dict, Trainer]:
+def lengths(mirror: Path | None, rng: np.random.Generator, n: int = 30000) -> np.ndarray:
+    """(n, 2) word counts: the mirror's real EN-DE pairs when present, else a lognormal fit of them."""
+    if mirror is not None and mirror.is_dir():
+        return scale_bench.mirror_lengths(mirror)
+    w = np.exp(rng.normal(2.95, 0.75, size=n))  # mean ~22 words, the mirror's shape (stated)
+    return np.stack([w, w * rng.uniform(0.8, 1.2, size=n)], 1).clip(1, 200).astype(np.int64)
+
+
+def train(pr: Profile, size: str, compile_: bool, train_dir: Path, work: Path) -> tuple[dict, Trainer]:
+    """The loop at 25k target tokens per step, accum 1; tokens/s of the second (warm) half."""
     cfg = Config()
-    t = cfg.train
-    t.max_steps, t.tokens_per_step, t.max_tokens_per_batch = steps, 25000, 25000
-    t.log_interval_steps = steps // 2  # the second window is warm (compiled graphs, allocator)
+    t, steps = cfg.train, pr.train_steps[size]
+    t.max_steps, t.tokens_per_step = steps, pr.tokens_per_step
+    t.max_tokens_per_batch = 2 * pr.tokens_per_step  # a step's padded size: one micro-batch
+    t.log_interval_steps = steps // 2
     t.checkpoint_interval_steps = t.eval_interval_steps = 10**9
-    t.precision, t.compile, t.corpus_cache_dir = "bf16", compile_, str(work / "cache")
-    mc = model_config()
+    t.precision, t.compile, t.compile_backend = "auto", compile_, pr.compile_backend
+    t.corpus_cache_dir = str(work / "cache")
+    mc = pr.model(size)
     spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(train_dir))
-    trainer = Trainer(spec, LocalSession(work / f"ckpt-{compile_}-{time.time_ns()}", device=DEVICE))
-    trainer.tc.checkpoint_interval_steps = steps  # one checkpoint, at the end
+    trainer = Trainer(spec, LocalSession(work / f"ckpt-{size}-{compile_}", device=pr.device))
     summary = trainer.run()
-    return summary, trainer
+    tps = trainer.metrics.last["train/tgt_tokens_per_s"]
+    src_per_tgt = summary["tokens_seen"]["src"] / max(summary["tokens_seen"]["tgt"], 1)
+    step_flops = model_flops_per_step(mc, int(pr.tokens_per_step * src_per_tgt), pr.tokens_per_step)
+    return {"tgt_tokens_per_s": tps, "model_flops_per_step": step_flops, "precision": trainer.precision,
+            "params": sum(p.numel() for p in trainer.model.parameters()), "steps": steps}, trainer
 
 
-def count_syncs(trainer: Trainer, steps: int) -> tuple[float, int]:
-    """(syncs per plain step, syncs of the final step, which logs and checkpoints) of a short
-    continued run; each step's count runs from its start to the next step's start."""
-    trainer.tc.max_steps = trainer.progress.step + steps
-    trainer.tc.log_interval_steps = trainer.tc.checkpoint_interval_steps = steps
-    starts: list[int] = []
-    original = trainer._train_step
-
-    def marked(*a, **kw):
-        starts.append(len(caught))
-        return original(*a, **kw)
-
-    trainer._train_step = marked
-    if DEVICE.startswith("cuda"):
-        torch.cuda.set_sync_debug_mode("warn")
+def present(module: str) -> bool:
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer.run()
-            end = len(caught)
-    finally:
-        if DEVICE.startswith("cuda"):
-            torch.cuda.set_sync_debug_mode("default")
-        trainer._train_step = original
-    per_step = np.diff(starts + [end])
-    return float(per_step[:-1].mean()), int(per_step[-1])
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
-def decode(n: int, rng: np.random.Generator, words: np.ndarray) -> float:
-    mc = model_config()
-    torch.manual_seed(0)
-    model = Transformer(mc).to(DEVICE).eval()
-    lens = (words[rng.integers(0, len(words), n), 0] * 1.3).astype(int).clip(1, 200)
-    srcs = [rng.integers(4, VOCAB, size=k).tolist() + [mc.eos_id] for k in lens]
-    order = np.argsort([len(s) for s in srcs])
-    t0 = time.perf_counter()
-    with torch.no_grad(), torch.autocast(DEVICE.split(":")[0], dtype=torch.bfloat16, enabled=not TINY):
-        for i in range(0, n, 64):
-            batch = [srcs[j] for j in order[i:i + 64]]
-            width = max(len(s) for s in batch)
-            src = torch.tensor([s + [mc.pad_id] * (width - len(s)) for s in batch], device=DEVICE)
-            beam_search(model, src, beam_size=4, alpha=0.6)
-    if DEVICE.startswith("cuda"):
-        torch.cuda.synchronize()
-    return n / (time.perf_counter() - t0)
+def environment(pr: Profile) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+           "device": "cpu (smoke)" if pr.smoke else torch.cuda.get_device_name(0),
+           "optional": {m: present(m) for m in ("ctranslate2", "transformers", "ray", "mlflow")}}
+    if not pr.smoke:
+        props = torch.cuda.get_device_properties(0)
+        env.update(cuda=torch.version.cuda, memory_gib=props.total_memory / 2**30,
+                   bf16=torch.cuda.is_bf16_supported())
+    return env
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peak-flops", type=float, default=989e12, help="bf16 dense peak (H200/H100 SXM: 989e12)")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--decode-sentences", type=int, default=500)
-    ap.add_argument("--mirror", default=os.environ.get("WMT14_MIRROR", str(REPO.parent / "shared/data/statmt-mirror")))
-    ap.add_argument("--json")
-    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU: checks the script, measures nothing")
-    args = ap.parse_args()
-    global DEVICE, TINY
-    if args.smoke:
-        DEVICE, TINY = "cpu", True
-    elif not torch.cuda.is_available():
-        sys.exit("gpu_check needs a CUDA GPU (or --smoke)")
+    ap.add_argument("--mirror", default=os.environ.get("WMT14_MIRROR", str(REPO.parent / "shared/data/statmt-mirror")),
+                    help="the WMT14 mirror for real sentence lengths (absent: a lognormal fit of them)")
+    ap.add_argument("--json", default="gpu_check.json", help="where the JSON goes ('' = nowhere)")
+    ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="seconds for all sections together")
+    ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks this script, measures nothing")
+    args = ap.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("gpu_check needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    pr = Profile(args.smoke)
+    rep = Report(args.budget)
     rng = np.random.default_rng(0)
-    words = lengths(Path(args.mirror), rng)
-    rows: list[tuple[str, str]] = [("device", torch.cuda.get_device_name() if not TINY else "cpu (smoke)"),
-                                   ("torch", torch.__version__)]
-    res: dict = {}
-    failed = []
-
-    def section(name: str, fn) -> None:
-        """Run one check; a failure is a row of the table (and a non-zero exit), not the end."""
-        t0 = time.perf_counter()
-        try:
-            rows.extend(fn())
-        except Exception as e:  # noqa: BLE001 (report every check)
-            failed.append(name)
-            rows.append((name, f"FAILED after {time.perf_counter() - t0:.0f} s: {type(e).__name__}: {e}"))
+    words = lengths(None if pr.smoke else Path(args.mirror), rng)
+    env = environment(pr)
+    B = pr.budget
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        scale_bench.BENCH_VOCAB = VOCAB  # real vocabulary ids for the base model
-        train_dir = scale_bench.write_corpus(work / "corpus", 200_000 if not TINY else 5000, words)
-        mc = model_config()
+        scale_bench.BENCH_VOCAB = pr.vocab  # real vocabulary ids for the models
+        train_dir = scale_bench.write_corpus(work / "corpus", pr.corpus_pairs, words)
+        held: dict[str, Any] = {}
 
-        def train_section(compile_: bool):
-            label = "compiled" if compile_ else "eager"
-            t0 = time.perf_counter()
-            summary, trainer = train_run(train_dir, work, args.steps, compile_)
-            tps = trainer.last_metrics["train/tgt_tokens_per_s"]
-            src_per_tgt = summary["tokens_seen"]["src"] / max(summary["tokens_seen"]["tgt"], 1)
-            mfu = 100 * model_flops_per_step(mc, int(25000 * src_per_tgt), 25000) * tps / 25000 / args.peak_flops
-            res[label] = {"tgt_tokens_per_s": tps, "mfu_pct": mfu, "wall_s": time.perf_counter() - t0}
-            out = [(f"train base bf16 {label}", f"{tps:,.0f} tgt tok/s, MFU {mfu:.1f}% "
-                    f"({time.perf_counter() - t0:.0f} s incl. start-up/compile)")]
-            if not compile_:
-                plain, last = count_syncs(trainer, 10)
-                res["syncs_per_plain_step"], res["syncs_on_log_checkpoint_step"] = plain, last
-                out += [("host syncs per plain step", f"{plain:.2f}"), ("host syncs on a log+checkpoint step", str(last))]
-                folder = work / "ckpt-stall"
-                folder.mkdir()
-                t1 = time.perf_counter()
-                train_checkpoint.save(folder, model=trainer.model, optimizer=trainer.optimizer,
-                                      scheduler=trainer.scheduler, scaler=None, progress=trainer.progress,
-                                      model_config=mc.to_dict())
-                stall, size = time.perf_counter() - t1, sum(f.stat().st_size for f in folder.iterdir())
-                res["checkpoint_stall_s"], res["checkpoint_bytes"] = stall, size
-                out.append(("checkpoint stall (save; upload async)", f"{stall:.2f} s for {size / 2**20:.0f} MiB"))
-            del trainer
-            if not TINY:
-                torch.cuda.empty_cache()
-            return out
+        def train_row(size: str, compile_: bool):
+            def fn():
+                res, trainer = train(pr, size, compile_, train_dir, work)
+                res["mfu_pct"] = 100 * res["model_flops_per_step"] * res["tgt_tokens_per_s"] / pr.tokens_per_step \
+                    / args.peak_flops
+                if size == "base" and not compile_:
+                    held["trainer"], held["tps"] = trainer, res["tgt_tokens_per_s"]
+                else:
+                    del trainer
+                    _free(pr)
+                return res, (f"{res['tgt_tokens_per_s']:,.0f} tgt tok/s, MFU {res['mfu_pct']:.1f}% "
+                             f"({res['precision']}, {res['params'] / 1e6:.0f}M params, {res['steps']} steps)")
+            return fn
 
-        section("train base bf16 eager", lambda: train_section(False))
-        section("train base bf16 compiled", lambda: train_section(True))
+        def needs_trainer(fn):
+            def wrapped():
+                if "trainer" not in held:
+                    raise RuntimeError("needs the 'train base eager' section's trainer, which did not finish")
+                return fn(held["trainer"])
+            return wrapped
 
-        def decode_section():
-            sps = decode(args.decode_sentences, rng, words)
-            res["beam4_sentences_per_s"] = sps
-            return [(f"beam-4 decode, {args.decode_sentences} sentences, random base", f"{sps:.1f} sentences/s")]
+        def syncs(trainer):
+            plain, last = count_syncs(trainer, pr.device)
+            note = "" if pr.device.startswith("cuda") else " (CPU: nothing to count)"
+            return ({"syncs_per_plain_step": plain, "syncs_on_log_checkpoint_step": last},
+                    f"{plain:.2f} per plain step, {last} on a log+checkpoint step{note}")
 
-        section("beam-4 decode", decode_section)
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+        def stall(trainer):
+            r = checkpoint_stall(trainer, work / "ckpt-stall")
+            return r, f"{r['checkpoint_stall_s']:.2f} s for {r['checkpoint_bytes'] / 2**20:.0f} MiB (save; upload async)"
+
+        rep.run("train base eager", B["train base eager"], train_row("base", False))
+        rep.run("host syncs", B["host syncs"], needs_trainer(syncs))
+        rep.run("checkpoint stall", B["checkpoint stall"], needs_trainer(stall))
+        rep.run("ddp nccl", B["ddp nccl"], needs_trainer(lambda t: ddp_section(pr, t, held["tps"])))
+        held.pop("trainer", None)
+        _free(pr)
+        rep.run("fit base", B["fit base"], lambda: fit_section(pr, "base"))
+        rep.run("beam-4 decode", B["beam-4 decode"], lambda: decode_section(pr, rng, words))
+        rep.run("train base compiled", B["train base compiled"], train_row("base", True))
+        rep.run("train big eager", B["train big eager"], train_row("big", False))
+        rep.run("fit big", B["fit big"], lambda: fit_section(pr, "big"))
+        rep.run("train big compiled", B["train big compiled"], train_row("big", True))
+    if not present("ctranslate2"):
+        rep.skip("ctranslate2 decode", "the ctranslate2 package is not installed here")
+    else:
+        rep.skip("ctranslate2 decode", "not implemented in gpu_check (it needs an exported model): run "
+                                       "benchmarks/decode_bench.py --engines on a machine with the project's deps")
+    width = max(len(k) for k, _ in rep.rows)
+    print(f"gpu_check: {env['device']}, torch {env['torch']}, Python {env['python']}"
+          f"{', smoke (measures nothing)' if pr.smoke else ''}; {time.perf_counter() - rep.t0:.0f} s")
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rep.rows))
+    failed = [k for k, v in rep.sections.items() if v["status"] == "failed"]
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"env": env, "smoke": pr.smoke, "peak_flops": args.peak_flops,
+                                               "wall_s": time.perf_counter() - rep.t0,
+                                               "sections": rep.sections}, indent=2) + "\n")
     if failed:
-        sys.exit(f"gpu_check: {len(failed)} check(s) failed: {', '.join(failed)}")
+        print(f"gpu_check: {len(failed)} section(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _free(pr: Profile) -> None:
+    import gc
+
+    gc.collect()
+    if pr.device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,7 +13,14 @@ D. with --ray (local mode as `make run` trains): the real `train` stage's Ray Tr
    with all threads. Target: auto / bare >= 1.0.
 
 Prints target tokens/s of A and B and the ratio A/B (target >= 0.9), and the loader's cost per
-step. Synthetic "reverse" data with a WMT-like spread of lengths; fp32 on CPU (or --device cuda).
+step. Synthetic "reverse" data with a WMT-like spread of lengths; `train.precision` = --precision
+(default auto: bf16 on a CPU with AVX512-BF16/AMX and on CUDA, else fp32).
+
+E. --cpu-bf16: the bare step in fp32 and under bf16 autocast, side by side, at local size
+   (d_model 128, 2+2 layers, vocab 4000, ~2500 target tokens) and at d_model 256, 3+3, vocab 8000
+   (~2700 target tokens), all threads; the ratio fp32 time / bf16 time.
+F. --convergence STEPS: the loop (A) for STEPS steps at local size in fp32 and in bf16, the same
+   seed and batches; dev loss and ppl of both (bf16 should be within a small margin of fp32).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from pipeline.train import batching
 from pipeline.config import Config
 from pipeline.train.corpus import load_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
+from pipeline.train.precision import resolve_precision
 from pipeline.train.step import accumulate_gradients, optimizer_step, to_device
 from pipeline.train.synthetic import write_reverse_task
 
@@ -49,7 +57,7 @@ def build(args, work: Path) -> tuple[dict, Config, ModelConfig]:
     t.num_workers, t.max_steps = 1, args.steps
     t.tokens_per_step, t.max_tokens_per_batch = args.tokens_per_step, args.max_tokens_per_batch
     t.log_interval_steps = t.eval_interval_steps = t.checkpoint_interval_steps = args.steps
-    t.precision = "bf16" if args.device == "cuda" else "fp32"
+    t.precision = args.precision
     mc = ModelConfig(vocab_size=args.vocab, d_model=m.d_model, d_ff=m.d_ff, n_heads=m.n_heads,
                      n_encoder_layers=args.layers, n_decoder_layers=args.layers, dropout=m.dropout)
     spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(shards)).to_dict()
@@ -86,12 +94,14 @@ def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device
     return steps
 
 
-def run_bare(steps, cfg: Config, mc: ModelConfig, device: torch.device) -> dict:
+def run_bare(steps, cfg: Config, mc: ModelConfig, device: torch.device, precision: str = "") -> dict:
+    """The bare step; `precision` "" = the loop's train.precision resolved for `device`."""
     torch.manual_seed(cfg.train.seed)
     model = Transformer(mc).to(device)
     opt = make_optimizer(model)
     sched = make_scheduler(opt, mc.d_model, cfg.train.warmup_steps)
-    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
+    precision = precision or resolve_precision(cfg.train.precision, device)
+    autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16"
                 else contextlib.nullcontext)
     t0 = time.perf_counter()
     tokens = 0
@@ -127,9 +137,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="alternate loop/bare runs; the best of each is kept")
     p.add_argument("--json", default="", help="also write the figures here")
     p.add_argument("--ray", action="store_true", help="D: the train stage on a local Ray, 1 CPU vs all CPUs")
+    p.add_argument("--ray-auto-only", action="store_true", help="D without the 1-CPU run")
+    p.add_argument("--precision", default="auto", help="train.precision of A, B and D (auto | bf16 | fp32)")
+    p.add_argument("--cpu-bf16", action="store_true", help="E: fp32 vs bf16 bare steps on CPU at two sizes")
+    p.add_argument("--convergence", type=int, default=0, metavar="STEPS",
+                   help="F: dev loss after STEPS loop steps, fp32 vs bf16 (CPU)")
     args = p.parse_args()
     if args.ray:
         return ray_main(args)
+    if args.cpu_bf16 or args.convergence:
+        return cpu_bf16_main(args)
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
     device = torch.device(args.device)
@@ -162,7 +179,9 @@ def main() -> None:
 
 
 def ray_main(args) -> None:
-    """D: local-mode training through Ray Train, 1 CPU per worker vs auto, against the bare step."""
+    """D: local-mode training through Ray Train (1 CPU per worker, and auto), the same loop
+    in-process without Ray, and the bare step, all with every CPU; runs alternate and the best
+    of --repeats is kept for each (one-off runs on a shared machine mostly measure the neighbours)."""
     import os
 
     from pipeline.ray_env import start_local_ray
@@ -171,30 +190,108 @@ def ray_main(args) -> None:
     cpus = os.cpu_count() or 1
     logging.basicConfig(level=logging.WARNING)
     start_local_ray(num_cpus=cpus, log_to_driver=False)
+    torch.set_num_threads(cpus)
+    cpu = torch.device("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         spec, cfg, mc = build(args, work)
         cfg.train.use_gpu = False
         cfg.train.log_interval_steps = args.steps // 2  # the second window: warm, and what is compared
-        results = {}
-        for label, n in (("1 CPU per worker (before)", 1), ("auto (all CPUs)", 0)):
-            cfg.train.cpus_per_worker = n
-            spec = {**spec, "cfg": cfg.to_dict()}
-            result = fit(cfg, LoopSpec(**spec), f"bench-{n}", str(work / "ray_train"))
-            results[label] = result.return_value["last_metrics"]["train/tgt_tokens_per_s"]
-        torch.set_num_threads(cpus)
-        steps = micro_batches(spec, cfg, mc, torch.device("cpu"))
-        run_bare(steps[:3], cfg, mc, torch.device("cpu"))
-        bare = max((run_bare(steps[args.steps // 2:], cfg, mc, torch.device("cpu")) for _ in range(args.repeats)),
-                   key=lambda r: r["tgt_tokens_per_s"])["tgt_tokens_per_s"]
-    print(f"local-mode training, {cpus} CPUs: model d_model={args.d_model} layers={args.layers}+{args.layers}, "
-          f"~{args.tokens_per_step} target tokens per step")
-    print(f"{'':34s}{'tgt tokens/s':>14s}{'/ bare':>8s}")
-    for label, tps in results.items():
-        print(f"{'train stage, ' + label:34s}{tps:14.0f}{tps / bare:8.2f}")
-    print(f"{'bare model step, ' + str(cpus) + ' threads':34s}{bare:14.0f}{1.0:8.2f}")
+        steps = micro_batches(spec, cfg, mc, cpu)
+        run_bare(steps[:3], cfg, mc, cpu)
+        modes = (("train stage, 1 CPU per worker (before)", 1), ("train stage, auto (all CPUs)", 0))
+        results: dict[str, list[float]] = {}
+        for r in range(args.repeats):
+            for label, n in modes[1:] if args.ray_auto_only else modes:
+                cfg.train.cpus_per_worker = n
+                spec = {**spec, "cfg": cfg.to_dict()}
+                result = fit(cfg, LoopSpec(**spec), f"bench-{n}-{r}", str(work / "ray_train"))
+                results.setdefault(label, []).append(result.return_value["last_metrics"]["train/tgt_tokens_per_s"])
+            trainer = Trainer(LoopSpec(**{**spec, "num_threads": cpus}), LocalSession(work / f"local-{r}"))
+            trainer.run()
+            results.setdefault("same loop in-process, no Ray", []).append(
+                trainer.metrics.last["train/tgt_tokens_per_s"])
+            results.setdefault("bare model step", []).append(
+                run_bare(steps[args.steps // 2:], cfg, mc, cpu)["tgt_tokens_per_s"])
+    best = {k: max(v) for k, v in results.items()}
+    bare = best["bare model step"]
+    print(f"local-mode training, {cpus} CPUs ({cpus} torch threads): model d_model={args.d_model} "
+          f"layers={args.layers}+{args.layers}, ~{args.tokens_per_step} target tokens per step, "
+          f"{resolve_precision(cfg.train.precision, cpu)}; best of {args.repeats}, second half of {args.steps} steps")
+    print(f"{'':42s}{'tgt tokens/s':>14s}{'/ bare':>8s}   all runs")
+    for label, tps in best.items():
+        runs = ", ".join(f"{x:.0f}" for x in results[label])
+        print(f"{label:42s}{tps:14.0f}{tps / bare:8.2f}   {runs}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"ray": results, "bare": bare, "cpus": cpus}, indent=2))
+        Path(args.json).write_text(json.dumps({"runs": results, "best": best, "cpus": cpus}, indent=2))
+
+SIZES = {"local (d_model 128, 2+2, vocab 4000)": dict(d_model=128, layers=2, vocab=4000, tokens_per_step=2500),
+         "d_model 256, 3+3, vocab 8000": dict(d_model=256, layers=3, vocab=8000, tokens_per_step=2700)}
+
+
+def cpu_bf16_main(args) -> None:
+    """E and F: fp32 vs bf16 autocast on this CPU (all threads)."""
+    import os
+
+    from pipeline.train.precision import cpu_bf16_features
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    logging.basicConfig(level=logging.WARNING)
+    cpu = torch.device("cpu")
+    features = cpu_bf16_features()
+    print(f"CPU bf16 instructions: {', '.join(features) or 'none (bf16 is emulated: expect it slower)'}; "
+          f"{torch.get_num_threads()} threads")
+    out: dict = {"features": features, "threads": torch.get_num_threads()}
+    if args.cpu_bf16:
+        out["speed"] = {}
+        print(f"{'bare step, fwd + bwd + Adam':42s}{'fp32 s/step':>12s}{'bf16 s/step':>12s}{'fp32/bf16':>10s}")
+        for label, size in SIZES.items():
+            a = argparse.Namespace(**{**vars(args), **size, "max_tokens_per_batch": size["tokens_per_step"]})
+            with tempfile.TemporaryDirectory() as tmp:
+                spec, cfg, mc = build(a, Path(tmp))
+                steps = micro_batches(spec, cfg, mc, cpu)
+            run_bare(steps[:2], cfg, mc, cpu, "bf16")  # warm-up (oneDNN kernels of both)
+            run_bare(steps[:2], cfg, mc, cpu, "fp32")
+            best = {p: min(run_bare(steps, cfg, mc, cpu, p)["wall_s"] for _ in range(args.repeats)) / len(steps)
+                    for p in ("fp32", "bf16")}
+            out["speed"][label] = {**best, "ratio": best["fp32"] / best["bf16"]}
+            print(f"{label:42s}{best['fp32']:12.3f}{best['bf16']:12.3f}{best['fp32'] / best['bf16']:9.2f}x")
+    if args.convergence:
+        out["convergence"] = convergence(args, cpu)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+def convergence(args, cpu: torch.device) -> dict:
+    """F: the loop at local size, fp32 then bf16, same seed and batches: dev loss of each."""
+    size = SIZES["local (d_model 128, 2+2, vocab 4000)"]
+    a = argparse.Namespace(**{**vars(args), **size, "steps": args.convergence,
+                              "max_tokens_per_batch": size["tokens_per_step"]})
+    res = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        spec, cfg, mc = build(a, work)
+        dev = write_reverse_task(work / "dev", 500, a.vocab, min_len=3, max_len=a.max_len, num_shards=1, seed=1)
+        cfg.train.warmup_steps = max(1, args.convergence // 3)
+        cfg.train.eval_interval_steps = max(1, args.convergence // 4)
+        for precision in ("fp32", "bf16"):
+            cfg.train.precision = precision
+            trainer = Trainer(LoopSpec(**{**spec, "cfg": cfg.to_dict(), "dev_dir": str(dev)}),
+                              LocalSession(work / precision, device="cpu"))
+            t0 = time.perf_counter()
+            summary = trainer.run()
+            res[precision] = {"wall_s": time.perf_counter() - t0, "val_history": summary["history_val"],
+                              "val_loss": summary["last_metrics"]["val/loss"],
+                              "val_ppl": summary["last_metrics"]["val/ppl"]}
+    f, b = res["fp32"], res["bf16"]
+    print(f"convergence: {args.convergence} steps at local size (~{size['tokens_per_step']} target tokens/step, "
+          f"warmup {cfg.train.warmup_steps}), reverse task, dev loss (label-smoothed) at each eval:")
+    print(f"{'step':>6s}{'fp32':>10s}{'bf16':>10s}{'bf16-fp32':>11s}")
+    for (step, lf, _), (_, lb, _) in zip(f["val_history"], b["val_history"]):
+        print(f"{int(step):6d}{lf:10.4f}{lb:10.4f}{lb - lf:+11.4f}")
+    print(f"final dev ppl: fp32 {f['val_ppl']:.3f}, bf16 {b['val_ppl']:.3f}; wall fp32 {f['wall_s']:.0f} s, "
+          f"bf16 {b['wall_s']:.0f} s ({f['wall_s'] / b['wall_s']:.2f}x)")
+    return res
 
 
 if __name__ == "__main__":

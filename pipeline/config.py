@@ -127,7 +127,9 @@ class TrainConfig:
     num_workers: int | list[int] = op(8)
     elastic_resize_interval_s: float = op(60.0)  # Ray's ScalingConfig(elastic_resize_monitor_interval_s)
     use_gpu: bool = op(True)
-    precision: str = op("bf16")  # "bf16" | "fp16" | "fp32"; fp32 is forced on CPU
+    # "auto": bf16 autocast where the device does bf16 natively (CUDA; a CPU with AVX512-BF16 or
+    # AMX), else fp32 (fp16 on a GPU without bf16). "bf16" on a CPU without it is an error.
+    precision: str = op("auto")  # "auto" | "bf16" | "fp16" | "fp32" (pipeline/train/precision.py)
     max_tokens_per_batch: int = op(12500)  # per worker micro-batch cap (src or tgt tokens)
     tokens_per_step: int = 25000  # §5.1: ~25000 target tokens per optimizer step
     max_steps: int = 100_000  # §5.3: base model trained 100k steps
@@ -172,7 +174,8 @@ class TrainConfig:
         else:
             _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
         _check(self.elastic_resize_interval_s >= 0, "train.elastic_resize_interval_s", "must be >= 0")
-        _check(self.precision in ("bf16", "fp16", "fp32"), "train.precision", "must be bf16, fp16 or fp32")
+        _check(self.precision in ("auto", "bf16", "fp16", "fp32"), "train.precision",
+               "must be auto, bf16, fp16 or fp32")
         _check(self.max_tokens_per_batch > 0, "train.max_tokens_per_batch", "must be > 0")
         _check(self.tokens_per_step > 0, "train.tokens_per_step", "must be > 0")
         _check(self.max_steps > 0, "train.max_steps", "must be > 0")

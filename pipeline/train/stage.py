@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from model import ModelConfig
 from pipeline.ray_env import ensure_ray, node_cpus
@@ -38,6 +39,7 @@ from pipeline.config import Config
 from pipeline.stage import StageContext, StageResult
 from pipeline.train.corpus import id_range, load_lengths, shard_files
 from pipeline.train.loop import LoopSpec, train_worker
+from pipeline.train.precision import describe as describe_precision
 from pipeline.train.session import SESSION_WRAPPER_ENV, RaySession
 from pipeline.train.resume import storage_path_for
 from pipeline.train.size import model_config_for
@@ -175,9 +177,9 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str, validatio
     tc = cfg.train
     use_gpu = gpu_training(cfg)
     if tc.use_gpu and not use_gpu:
-        log.warning("train.use_gpu = true but the Ray cluster has no GPU: training on CPU (fp32)")
-    if not use_gpu and tc.precision != "fp32":
-        log.info("train: CPU training runs in fp32 (train.precision=%s applies on GPU only)", tc.precision)
+        log.warning("train.use_gpu = true but the Ray cluster has no GPU: training on CPU")
+    if not use_gpu:  # a bad train.precision fails here, before any worker starts (this CPU decides)
+        log.info("train: %s", describe_precision(tc.precision, torch.device("cpu")))
     cpus = cpus_per_worker(cfg, use_gpu)
     elastic.check_cluster(cfg, ray.nodes(), use_gpu, cpus)
     spec.num_threads = 0 if use_gpu else cpus
@@ -240,6 +242,7 @@ def run(ctx: StageContext) -> StageResult:
     if shortfall:
         log.warning("train: %s", shortfall)
     history = {"train": summary.get("history_train", []), "val": summary.get("history_val", [])}
+    ctx.tracker.set_tags({"train.precision_used": str(summary.get("precision"))})  # what "auto" became
     storage.write_json(storage.join(ctx.out_dir, "history.json"), history)
     _log_plots(ctx, history)
     # A run resumed at its last step trains nothing: its metrics are the last checkpoint's.

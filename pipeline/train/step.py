@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import label_smoothed_nll
 from pipeline.train import batching
+from pipeline.train.precision import resolve_precision  # noqa: F401 (the loop's import)
 
 log = logging.getLogger(__name__)
 
@@ -127,9 +128,11 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sch
     return norm
 
 
-def distributed(model: torch.nn.Module, device: torch.device, world: int, grad_compression: str) -> torch.nn.Module:
-    """`model` as the step calls it: itself on one worker, else wrapped in DDP."""
-    if world == 1:
+def distributed(model: torch.nn.Module, device: torch.device, world: int, grad_compression: str,
+                always: bool = False) -> torch.nn.Module:
+    """`model` as the step calls it: itself on one worker, else wrapped in DDP (`always`: even on
+    one, as benchmarks/gpu_check.py checks DDP + NCCL + the bf16 hook on one GPU)."""
+    if world == 1 and not always:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -142,15 +145,3 @@ def distributed(model: torch.nn.Module, device: torch.device, world: int, grad_c
 
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     return ddp
-
-
-def resolve_precision(requested: str, device: torch.device) -> str:
-    """bf16/fp16 autocast on GPU as asked; fp32 on CPU whatever the setting."""
-    if device.type != "cuda":
-        if requested != "fp32":
-            log.info("train.precision=%s ignored on CPU: training in fp32", requested)
-        return "fp32"
-    if requested == "bf16" and not torch.cuda.is_bf16_supported():
-        log.warning("bf16 is not supported on this GPU: using fp16 with a GradScaler")
-        return "fp16"
-    return requested

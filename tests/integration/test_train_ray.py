@@ -19,6 +19,7 @@ import torch
 from pipeline.train import stage as train
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.config import Config
+from pipeline.train.precision import cpu_bf16_features
 from pipeline.stage import Manifest, StageContext
 from pipeline.train.synthetic import write_reverse_task
 from tests.support import faults
@@ -108,6 +109,11 @@ def test_two_workers_train_checkpoint_and_log(baseline):
     artifacts = {a.path for a in client.list_artifacts(run_id, "plots")}
     assert artifacts == {"plots/loss.png", "plots/lr.png"}
     assert result.metrics["val/final_ppl"] > 1.0
+    # train.precision = "auto": the workers' choice (bf16 on a CPU with AVX512-BF16/AMX, else fp32),
+    # in the outputs and as a tag of the run.
+    expected = "bf16" if cpu_bf16_features() else "fp32"
+    assert out["precision"] == expected
+    assert client.get_run(run_id).data.tags["train.precision_used"] == expected
 
 
 def test_worker_failure_resumes_from_the_latest_checkpoint(ray_local, shards, baseline, tmp_path, monkeypatch):

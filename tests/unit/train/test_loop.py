@@ -13,7 +13,6 @@ from pipeline.train import checkpoint as train_checkpoint
 from pipeline.config import Config
 from pipeline.train.loop import LocalSession, LoopSpec, train_worker
 from pipeline.train.session import SESSION_WRAPPER_ENV
-from pipeline.train.step import resolve_precision
 from pipeline.train.synthetic import write_reverse_task
 from tests.support import faults
 
@@ -43,6 +42,7 @@ def tiny_spec(shards, **train) -> dict:
     t = cfg.train
     t.max_steps, t.tokens_per_step, t.max_tokens_per_batch, t.warmup_steps = 12, 500, 200, 8
     t.log_interval_steps, t.eval_interval_steps, t.checkpoint_interval_steps = 1, 6, 4
+    t.precision = "fp32"  # these tests check the loop's arithmetic; bf16 is tests/unit/train/test_precision.py
     for k, v in train.items():
         setattr(t, k, v)
     mc = ModelConfig(vocab_size=VOCAB, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1,
@@ -110,11 +110,6 @@ def test_session_wrapper_injects_a_fault_once(shards, tmp_path):
     assert (tmp_path / "failed").read_text() == "3"
     out = train_worker(spec, session)  # marker written: no second failure; resumes from step 0
     assert out["final_step"] == 4
-
-
-def test_cpu_trains_in_fp32_whatever_the_setting():
-    assert resolve_precision("bf16", torch.device("cpu")) == "fp32"
-    assert resolve_precision("fp16", torch.device("cpu")) == "fp32"
 
 
 def test_time_interval_checkpoints(shards, tmp_path):

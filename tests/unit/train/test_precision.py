@@ -1,0 +1,80 @@
+"""train.precision: "auto" picks bf16 where the device does it natively, fp32 otherwise; "bf16" on a
+CPU without it is an error naming the key; a bf16 CPU run is really autocast (its losses differ
+from fp32's by rounding only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.config import Config, ConfigError
+from pipeline.train import precision
+from pipeline.train.loop import LocalSession, train_worker
+from pipeline.train.precision import describe, resolve_precision
+from pipeline.train.synthetic import write_reverse_task
+from tests.unit.train.test_loop import VOCAB, one_thread, tiny_spec  # noqa: F401 (fixture)
+
+CPU = torch.device("cpu")
+
+
+def _cpu(monkeypatch, avx512_bf16: bool, amx: bool) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+
+
+@pytest.mark.parametrize("avx512_bf16, amx", [(True, False), (False, True), (True, True)])
+def test_auto_and_bf16_give_bf16_on_a_cpu_with_native_bf16(monkeypatch, avx512_bf16, amx):
+    _cpu(monkeypatch, avx512_bf16, amx)
+    assert resolve_precision("auto", CPU) == "bf16"
+    assert resolve_precision("bf16", CPU) == "bf16"
+    assert resolve_precision("fp32", CPU) == "fp32"
+    assert "-> bf16 (CPU with " in describe("auto", CPU)
+
+
+def test_cpu_without_native_bf16(monkeypatch):
+    _cpu(monkeypatch, False, False)
+    assert resolve_precision("auto", CPU) == "fp32"
+    assert describe("auto", CPU) == "train.precision=auto -> fp32 (CPU without native bf16)"
+    with pytest.raises(ConfigError, match=r"train\.precision = 'bf16' but this CPU has no native bf16"):
+        resolve_precision("bf16", CPU)
+    with pytest.raises(ConfigError, match=r"train\.precision"):
+        describe("bf16", CPU)  # what the train stage's driver calls before any worker starts
+
+
+def test_fp16_on_cpu_and_unknown_values_are_errors():
+    with pytest.raises(ConfigError, match=r"train\.precision = 'fp16'"):
+        resolve_precision("fp16", CPU)
+    with pytest.raises(ConfigError, match=r"train\.precision = 'fp8'"):
+        resolve_precision("fp8", CPU)
+
+
+def test_auto_is_the_default_and_validated():
+    assert Config().train.precision == "auto"
+    cfg = Config()
+    cfg.train.precision = "bf17"
+    with pytest.raises(ConfigError, match=r"train\.precision"):
+        cfg.validate()
+
+
+def test_probes_agree_with_the_kernels_cpu_flags():
+    """torch's probes vs /proc/cpuinfo (the kernel's view, an independent reference)."""
+    info = Path("/proc/cpuinfo")
+    assert info.exists(), "this test reads the Linux kernel's CPU flags"
+    flags = {f for line in info.read_text().splitlines() if line.startswith("flags") for f in line.split()}
+    expected = [n for n, f in (("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_tile")) if f in flags]
+    assert precision.cpu_bf16_features() == expected
+
+
+@pytest.mark.slow
+def test_a_bf16_cpu_run_is_autocast_and_tracks_fp32(tmp_path, monkeypatch):
+    _cpu(monkeypatch, True, False)  # as on a bf16 CPU (emulated elsewhere: slower, same numbers)
+    shards = (write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0),
+              write_reverse_task(tmp_path / "dev", 40, VOCAB, seed=1))
+    fp32 = train_worker(tiny_spec(shards, max_steps=6), LocalSession(tmp_path / "a"))
+    auto = train_worker(tiny_spec(shards, max_steps=6, precision="auto"), LocalSession(tmp_path / "b"))
+    assert fp32["precision"] == "fp32" and auto["precision"] == "bf16"
+    a, b = [h[1] for h in fp32["history_train"]], [h[1] for h in auto["history_train"]]
+    assert a != b  # bf16 matmuls round differently: autocast is on
+    assert max(abs(x - y) / x for x, y in zip(a, b)) < 0.02  # but only by rounding
