@@ -61,9 +61,11 @@ def rows_that_fit(nodes: list[dict[str, float]], num_workers: int, per_worker: d
 
 def default_concurrency(cfgs: list[Config]) -> int:
     """As many rows as the connected Ray cluster holds side by side, each row needing
-    `train.num_workers` workers of its kind (GPU, or `train.cpus_per_worker` CPUs)."""
+    `train.num_workers` workers of its kind (GPU, or `train.cpus_per_worker` CPUs); a range
+    [min, max] counts at its max (what the row trains with when the cluster lets it)."""
     import ray
 
+    from pipeline.train.elastic import worker_range
     from pipeline.train.stage import cpus_per_worker, gpu_training
 
     nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
@@ -71,7 +73,7 @@ def default_concurrency(cfgs: list[Config]) -> int:
     for cfg in cfgs:
         use_gpu = gpu_training(cfg)
         need = {"CPU": float(cpus_per_worker(cfg, use_gpu)), **({"GPU": 1.0} if use_gpu else {})}
-        fits.append(rows_that_fit(nodes, cfg.train.num_workers, need))
+        fits.append(rows_that_fit(nodes, worker_range(cfg)[1], need))
     return min(fits, default=1)
 
 

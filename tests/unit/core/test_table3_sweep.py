@@ -110,3 +110,26 @@ def test_the_figure_is_a_png_of_the_rows(tmp_path):
     # figsize (max(6, 0.55 x 3 rows + 3), 6.2) inches at 110 dpi
     assert img.shape[:2] == (round(6.2 * 110), round(6.0 * 110))
     assert img[..., :3].std() > 0.05  # not blank
+
+
+@pytest.mark.parametrize(("nodes", "overrides", "fits"), [
+    ([{"CPU": 16, "GPU": 8}] * 4, ["--train.use_gpu=true", "--train.num_workers=8"], 4),
+    ([{"CPU": 16, "GPU": 8}] * 4, ["--train.use_gpu=true", "range"], 2),  # [4, 16]: counted at its max
+    ([{"CPU": 2}, {"CPU": 2}], ["--train.num_workers=1"], 2),  # CPU auto: a node's CPUs per worker
+    ([{"CPU": 2}, {"CPU": 2}], ["--train.num_workers=1", "--train.cpus_per_worker=1"], 4),
+])
+def test_default_concurrency_reads_the_cluster(tmp_path, monkeypatch, nodes, overrides, fits):
+    import ray
+
+    recipe = list(LOCAL)
+    if "range" in overrides:
+        overrides = [o for o in overrides if o != "range"]
+        (tmp_path / "range.toml").write_text("[train]\nnum_workers = [4, 16]\n")
+        recipe.append(str(tmp_path / "range.toml"))
+
+    alive = [{"Alive": True, "Resources": n} for n in nodes] + [{"Alive": False, "Resources": {"CPU": 64}}]
+    totals = {k: sum(n.get(k, 0) for n in nodes) for k in ("CPU", "GPU")}
+    monkeypatch.setattr(ray, "nodes", lambda: alive)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: totals)
+    cfgs = [variant_config(r, recipe, overrides) for r in ("B1", "E")]
+    assert sweep.default_concurrency(cfgs) == fits
