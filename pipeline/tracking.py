@@ -1,7 +1,8 @@
 """The only module that talks to MLflow.
 
 One parent run per workflow invocation; one run per (stage, cache key), continued when a crashed
-stage reruns (see `Tracking`), and a small nested run for each stage served from cache.
+stage reruns (see `Tracking`), and a small nested run for each stage served from cache. A sweep
+(workflows/reproduce_table3.py) nests one parent per row in its own run: sweep -> row -> stages.
 Embedded default: a SQLite store under the work dir (MLflow's file store is in maintenance mode
 in 3.x) with artifacts beside it; ``tracking.uri`` / ``MLFLOW_TRACKING_URI`` name a server.
 Ray workers log through ``RunLogger`` (picklable: a URI and a run id); the training loop's
@@ -377,7 +378,11 @@ class Tracking:
     (`cached=true`) that names the run which produced them (`source_run_id`).
     """
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, label: str = "", tags: dict[str, str] | None = None):
+        """`label` prefixes the names of the stage runs ("B1: train"); `tags` go on the parent run
+        and on every stage run (e.g. a Table 3 row's ``table3_row``), so runs can be filtered by them."""
+        self.label = label
+        self.tags = dict(tags or {})
         self.enabled = cfg.tracking.enabled
         self.uri = tracking_uri_for(cfg) if self.enabled else None
         self.cfg = cfg
@@ -435,17 +440,23 @@ class Tracking:
         return ended
 
     def _base_tags(self) -> dict[str, str]:
-        return {"git_commit": git_commit(), "work_dir": self.work_dir, "driver": self.driver}
+        return {"git_commit": git_commit(), "work_dir": self.work_dir, "driver": self.driver, **self.tags}
 
     @contextmanager
-    def parent_run(self, tags: dict[str, str]) -> Iterator[RunLogger]:
+    def parent_run(self, tags: dict[str, str], run_name: str | None = None,
+                   nested_in: str | None = None) -> Iterator[RunLogger]:
+        """This invocation's run (named `run_name`, default ``run.name``), the parent of the stage
+        runs; with `nested_in` (a run id) itself nested in that run, e.g. a sweep's row in the sweep.
+        Only the client API with explicit run ids is used: several parents may be open at once,
+        one per thread (MLflow's fluent active-run API is not thread-safe)."""
         if not self.enabled:
             yield self.parent
             return
         check_reachable(self.uri)
         client = self._client()
-        run = client.create_run(self._experiment(), run_name=self.cfg.run.name,
-                                tags={**self._base_tags(), **tags})
+        nested = {"mlflow.parentRunId": nested_in} if nested_in else {}
+        run = client.create_run(self._experiment(), run_name=run_name or self.cfg.run.name,
+                                tags={**self._base_tags(), **nested, **tags})
         self.parent = RunLogger(self.uri, run.info.run_id, self.timeout_s)
         self.parent.log_params(self.cfg.to_dict())
         self.parent.log_text(_toml_like(self.cfg.to_dict()), "config/resolved.toml")
@@ -488,7 +499,8 @@ class Tracking:
                 tags["source_run_id"] = previous.info.run_id
             if not cached:
                 tags.update({"attempts": "1", "parent_run.1": self.parent.run_id})
-            run = client.create_run(self._experiment(), run_name=f"{stage}{' (cached)' if cached else ''}",
+            name = f"{self.label}: {stage}" if self.label else stage
+            run = client.create_run(self._experiment(), run_name=f"{name}{' (cached)' if cached else ''}",
                                     tags=tags)
             logger = RunLogger(self.uri, run.info.run_id, self.timeout_s)
             logger.log_params(params)

@@ -27,6 +27,7 @@ from pipeline.dag import ORDER  # noqa: E402
 from pipeline.stage import NotImplementedStage  # noqa: E402
 from workflows import runner  # noqa: E402
 from workflows.lock import WorkDirBusy, WorkDirLock  # noqa: E402
+from workflows.preflight import preflight  # noqa: E402
 
 log = logging.getLogger("reproduce_base")
 
@@ -49,28 +50,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if args.only and (args.from_ or args.force):
         p.error("--only cannot be combined with --from/--force")
     return args, rest
-
-
-def preflight(cfg, write: bool = True, check_tracking: bool = True) -> None:
-    """Clear errors before any GPU time: the work dir (and Ray Train's storage path) can be
-    written (with ``write=False``, read: enough for ``--plan``), tracking answers."""
-    from pipeline import tracking
-
-    for key in ("work_dir", "storage_path"):
-        uri = getattr(cfg.run, key)
-        if not uri:
-            continue
-        try:
-            storage.check_access(uri, write=write)
-        except OSError as e:
-            raise ConfigError(f"run.{key}: {e}") from e
-    if cfg.tracking.enabled and check_tracking:
-        uri = tracking.tracking_uri_for(cfg)
-        tracking.check_reachable(uri)
-        if storage.is_remote(cfg.run.work_dir) and uri.startswith("sqlite:"):
-            log.warning("tracking: the work dir is on an object store but MLflow writes to %s on this "
-                        "machine only; set tracking.uri or MLFLOW_TRACKING_URI to a server to keep the runs",
-                        uri)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,14 +3,21 @@
     python workflows/reproduce_table3.py --rows A,B                # rows A1-A4 and B1-B2 on configs/base.toml
     python workflows/reproduce_table3.py --rows base,C4,E --plan   # what would run, and each model's size
     python workflows/reproduce_table3.py --rows A --config configs/base.toml --config configs/cluster-overlay.toml
+    python workflows/reproduce_table3.py --rows C --max-concurrent-rows 4 --config ... # 4 rows train at once
 
 Each row is ``configs/table3/<row>.toml`` applied on top of the recipe (``--config``, repeatable,
 default configs/base.toml), then the ``--section.key=value`` overrides. All rows share one work
-dir, so the data stages (download .. encode) are cached once; each row's training is its own
-cached stage (its key holds the row's model/train values), so adding a row reruns only that row.
+dir, so the data stages (download .. encode) run once, first; then each row's own chain (train ->
+average -> export -> translate -> score) runs as its own branch, as many side by side as
+``--max-concurrent-rows`` (default: as many as the Ray cluster holds, each row needing
+``train.num_workers`` workers; one at a time when the driver runs its own local Ray). A row
+that fails does not stop the others: the table marks it failed with the reason, and rerunning
+the same command continues only the unfinished rows (everything finished is cached).
 As §6.2 does for Table 3, every row is scored on newstest2013 (``eval.splits = ["dev"]``) with
-beam search and no checkpoint averaging (``eval.average_last = 1``). The table (Markdown and
-JSON) is written to ``<work_dir>/table3/`` and printed: ours beside the paper's columns.
+beam search and no checkpoint averaging (``eval.average_last = 1``). The table (Markdown, JSON)
+and a figure (PNG: dev PPL and BLEU per row beside the paper's) are written to
+``<work_dir>/table3/``, printed (the table) and logged to the sweep's MLflow run, in which each
+row has its own nested run (tags ``table3_row``, ``table3_varies``) holding its stage runs.
 """
 
 from __future__ import annotations
@@ -18,7 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import tempfile
+import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -28,40 +39,13 @@ if str(REPO) not in sys.path:  # `python workflows/reproduce_table3.py` puts wor
 
 from pipeline import storage  # noqa: E402
 from pipeline.config import Config, ConfigError, load_config  # noqa: E402
-from workflows import runner  # noqa: E402
+from workflows import runner, sweep  # noqa: E402
 from workflows.lock import WorkDirBusy, WorkDirLock  # noqa: E402
+from workflows.preflight import preflight  # noqa: E402
+from workflows.table3 import PAPER, expand_rows, render_table, write_figure  # noqa: E402
 
 log = logging.getLogger("reproduce_table3")
 TABLE3_DIR = REPO / "configs" / "table3"
-
-# Table 3 of the paper (EN-DE, newstest2013): row -> (what varies, PPL (dev), BLEU (dev), params x 10^6).
-# PPL is per word-piece; the paper gives parameter counts for some rows only.
-PAPER: dict[str, tuple[str, float, float, float | None]] = {
-    "base": ("base", 4.92, 25.8, 65),
-    "A1": ("h=1, d_k=d_v=512", 5.29, 24.9, None), "A2": ("h=4, d_k=d_v=128", 5.00, 25.5, None),
-    "A3": ("h=16, d_k=d_v=32", 4.91, 25.8, None), "A4": ("h=32, d_k=d_v=16", 5.01, 25.4, None),
-    "B1": ("d_k=16", 5.16, 25.1, 58), "B2": ("d_k=32", 5.01, 25.4, 60),
-    "C1": ("N=2", 6.11, 23.7, 36), "C2": ("N=4", 5.19, 25.3, 50), "C3": ("N=8", 4.88, 25.5, 80),
-    "C4": ("d_model=256, d_k=d_v=32", 5.75, 24.5, 28), "C5": ("d_model=1024, d_k=d_v=128", 4.66, 26.0, 168),
-    "C6": ("d_ff=1024", 5.12, 25.4, 53), "C7": ("d_ff=4096", 4.75, 26.2, 90),
-    "D1": ("P_drop=0.0", 5.77, 24.6, None), "D2": ("P_drop=0.2", 4.95, 25.5, None),
-    "D3": ("eps_ls=0.0", 4.67, 25.3, None), "D4": ("eps_ls=0.2", 5.47, 25.7, None),
-    "E": ("positional embedding instead of sinusoids", 4.92, 25.7, None),
-    "big": ("big", 4.33, 26.4, 213),
-}
-
-
-def expand_rows(spec: str) -> list[str]:
-    """``"A,B,big"`` -> ``["A1", .., "A4", "B1", "B2", "big"]``: a letter is its whole group."""
-    rows: list[str] = []
-    for item in (s.strip() for s in spec.split(",") if s.strip()):
-        group = [r for r in PAPER if r[0] == item and r[1:].isdigit()] if len(item) == 1 else []
-        if item in PAPER:
-            group = [item]
-        if not group:
-            raise ConfigError(f"--rows: unknown row '{item}' (rows: {', '.join(PAPER)}; or a group A, B, C, D)")
-        rows += [r for r in group if r not in rows]
-    return rows
 
 
 def variant_config(row: str, configs: list[str], overrides: list[str]) -> Config:
@@ -69,51 +53,62 @@ def variant_config(row: str, configs: list[str], overrides: list[str]) -> Config
     return load_config([*configs, TABLE3_DIR / f"{row}.toml"], overrides)
 
 
-def run_variant(row: str, cfg: Config) -> dict[str, Any]:
-    """Plan (now: earlier rows' stages are cached by then) and run one row; its table entry."""
+def varies(row: str) -> str:
+    """What the row's file changes in the recipe's model and training ("model.d_k=16")."""
+    data = tomllib.loads((TABLE3_DIR / f"{row}.toml").read_text())
+    items = [f"{section}.{k}={v}" for section in ("model", "train") for k, v in data.get(section, {}).items()]
+    return ", ".join(items) or "nothing (the reference row)"
+
+
+def row_tags(row: str) -> dict[str, str]:
+    return {"workflow": "reproduce_table3", "table3_row": row, "table3_variation": PAPER[row][0],
+            "table3_varies": varies(row)}
+
+
+def row_result(row: str, cfg: Config, outcome: sweep.Outcome) -> dict[str, Any]:
+    """The row's table entry: its numbers when it finished, else the stage and the reason it failed."""
     from pipeline.evaluate.bleu import paper_metric
     from pipeline.evaluate.dev_bleu import table3_dev_bleu
-    from pipeline.tracking import Tracking
     from pipeline.train.size import num_parameters
 
-    plans = runner.make_plan(cfg)
-    log.info("table3 row %s:\n%s", row, runner.format_plan(plans))
-    tracking = Tracking(cfg)
-    with tracking.parent_run({"workflow": "reproduce_table3", "table3_row": row}):
-        manifests = runner.execute(cfg, plans, tracking)
+    entry: dict[str, Any] = {"row": row, "params": num_parameters(cfg), "status": "done",
+                             "started": _iso(outcome.started), "finished": _iso(outcome.finished),
+                             "wall_s": round(outcome.finished - outcome.started, 1), "ran": outcome.ran}
+    manifests = outcome.manifests
+    if manifests is None:
+        entry.update(status="failed", failed_stage=outcome.failed_stage, error=outcome.error, ppl_dev=None,
+                     bleu_dev=None, train_steps=None)
+        return entry
     key = paper_metric(cfg.data.tgt_lang)
     dev = manifests["score"].outputs["scores"]["dev"]
-    return {"row": row, "params": num_parameters(cfg), "ppl_dev": manifests["train"].metrics.get("val/final_ppl"),
-            "bleu_dev": dev[key], "bleu_metric": key, "bleu_sacre_dev": dev["bleu_sacre"],
-            "train_steps": manifests["train"].outputs["final_step"], "train_key": manifests["train"].key,
-            "ran": sorted(p.stage.name for p in plans if p.action == "run"),
-            # The row's own dev BLEU from training (its final checkpoint), when it was validated.
-            **table3_dev_bleu(manifests["train"].outputs, key)}
+    entry.update(ppl_dev=manifests["train"].metrics.get("val/final_ppl"), bleu_dev=dev[key], bleu_metric=key,
+                 bleu_sacre_dev=dev["bleu_sacre"], train_steps=manifests["train"].outputs["final_step"],
+                 train_key=manifests["train"].key,
+                 # The row's own dev BLEU from training (its final checkpoint), when it was validated.
+                 **table3_dev_bleu(manifests["train"].outputs, key))
+    return entry
 
 
-def _num(x: Any, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
+def _iso(epoch_s: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(epoch_s))
 
 
-def render_table(results: list[dict[str, Any]], cfg: Config) -> str:
-    """Markdown: each row's PPL / BLEU / params (ours) beside the paper's."""
-    out = ["# Table 3 (Vaswani et al., 2017): model variations, newstest2013", "",
-           "| row | variation | steps | PPL dev (ours) | PPL dev (paper) | BLEU dev (ours) | BLEU dev (paper) "
-           "| params x10^6 (ours) | params x10^6 (paper) |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        what, ppl, bleu, params = PAPER[r["row"]]
-        out.append(f"| {r['row']} | {what} | {r['train_steps']} | {_num(r['ppl_dev'], '.2f')} | {ppl:.2f} "
-                   f"| {_num(r['bleu_dev'], '.1f')} | {bleu:.1f} | {r['params'] / 1e6:.1f} | {_num(params, '.0f')} |")
-    metric = results[0]["bleu_metric"] if results else "bleu_tok_cs"
-    out += ["", f"Ours: dev = newstest2013, beam {cfg.eval.beam_size}, alpha {cfg.eval.alpha}, no checkpoint "
-            f"averaging (§6.2); BLEU = `{metric}` (the tokenized BLEU of Table 2); PPL = exp(NLL per target "
-            "piece) of the last step's model on dev (train stage's `val/final_ppl`). Our pieces are a "
-            f"{cfg.vocab.size}-piece SentencePiece BPE model, not the paper's word-pieces, so PPL values compare "
-            "between rows, not exactly with the paper's.", ""]
-    if cfg.eval.max_sentences:
-        out.insert(0, f"> **Partial dev set**: only the first {cfg.eval.max_sentences} sentences were decoded "
-                      "(`eval.max_sentences`): not comparable with the paper.\n")
-    return "\n".join(out)
+def publish(results: list[dict[str, Any]], cfg: Config, parent: Any) -> str:
+    """Write table3.md, table3.json and table3.png to <work_dir>/table3/ and log them to the
+    sweep's run (`parent`, a RunLogger); the Markdown."""
+    table = render_table(results, cfg)
+    out = storage.join(storage.absolute(cfg.run.work_dir), "table3")
+    as_json = json.dumps(results, indent=2) + "\n"
+    storage.write_text(storage.join(out, "table3.md"), table)
+    storage.write_text(storage.join(out, "table3.json"), as_json)
+    with tempfile.TemporaryDirectory() as tmp:
+        png = Path(tmp) / "table3.png"
+        write_figure(results, str(png))
+        storage.upload(png, storage.join(out, "table3.png"))
+        parent.log_artifact(str(png), "table3")
+    parent.log_text(table, "table3/table3.md")
+    parent.log_text(as_json, "table3/table3.json")
+    return table
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -123,52 +118,81 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--config", action="append", default=None,
                    help="the recipe the rows vary (default configs/base.toml); repeatable, later files win")
     p.add_argument("--plan", action="store_true", help="print each row's size and plan; run nothing")
+    p.add_argument("--max-concurrent-rows", type=int, default=0, metavar="N",
+                   help="rows that run side by side (default 0 = as many as the Ray cluster holds, each row "
+                        "needing train.num_workers workers; 1 when this driver starts its own local Ray)")
     args, rest = p.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a and "." in a.split("=", 1)[0])]
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)} (config overrides look like --section.key=value)")
+    if args.max_concurrent_rows < 0:
+        p.error(f"--max-concurrent-rows must be >= 0 (0 = as many as fit), got {args.max_concurrent_rows}")
     return args, rest
+
+
+def _load(args: argparse.Namespace, overrides: list[str]) -> tuple[Config, dict[str, Config]]:
+    """The recipe alone (the sweep's own MLflow run) and each row's config; all share one work dir."""
+    configs = args.config or [str(REPO / "configs" / "base.toml")]
+    rows = expand_rows(args.rows)
+    cfgs = {row: variant_config(row, configs, overrides) for row in rows}
+    work_dirs = {c.run.work_dir for c in cfgs.values()}
+    if len(work_dirs) != 1:
+        raise ConfigError(f"run.work_dir: the rows must share one work dir (their data stages are shared), "
+                          f"got {sorted(work_dirs)}")
+    return load_config(configs, overrides), cfgs
+
+
+def print_plans(cfgs: dict[str, Config]) -> None:
+    from pipeline.train.size import num_parameters
+
+    for row, cfg in cfgs.items():
+        paper = "not given" if PAPER[row][3] is None else f"{PAPER[row][3]}M"
+        print(f"row {row} ({PAPER[row][0]}): {num_parameters(cfg) / 1e6:.1f}M parameters (paper: {paper})\n"
+              f"{runner.format_plan(runner.make_plan(cfg))}\n", flush=True)
+
+
+def run_sweep(recipe: Config, cfgs: dict[str, Config], max_concurrent: int, argv: list[str]) -> list[dict]:
+    """Under the work-dir lock: the data stages once, then the rows side by side; the results."""
+    from pipeline.tracking import Tracking
+
+    first = next(iter(cfgs.values()))
+    local = not (first.run.ray_address or os.environ.get("RAY_ADDRESS"))  # this driver's own Ray
+    n = max_concurrent or (1 if local else sweep.default_concurrency(list(cfgs.values())))
+    rows = [sweep.Row(row, cfg, row_tags(row)) for row, cfg in cfgs.items()]
+    tracking = Tracking(recipe, tags={"workflow": "reproduce_table3"})
+    tracking.end_dead_runs()  # under the lock: RUNNING runs of this work dir are a dead driver's
+    with tracking.parent_run({"table3_rows": ",".join(cfgs), "max_concurrent_rows": str(n),
+                              "argv": " ".join(argv)}, run_name=f"table3: {','.join(cfgs)}") as parent:
+        sweep.run_data_stages(rows, tracking)
+        outcomes = sweep.run_rows(rows, n, parent.run_id)
+        results = [row_result(row, cfgs[row], outcomes[row]) for row in cfgs]
+        failed = [r["row"] for r in results if r["status"] != "done"]
+        parent.set_tags({"table3_failed_rows": ",".join(failed) or "none"})
+        print("\n" + publish(results, first, parent), flush=True)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     from pipeline.ray_env import ensure_ray
-    from pipeline.train.size import num_parameters
-    from workflows.reproduce_base import preflight
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    configs = args.config or [str(REPO / "configs" / "base.toml")]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else argv
+    args, overrides = parse_args(argv)
     try:
-        rows = expand_rows(args.rows)
-        cfgs = {row: variant_config(row, configs, overrides) for row in rows}
-        work_dirs = {c.run.work_dir for c in cfgs.values()}
-        if len(work_dirs) != 1:
-            raise ConfigError(f"run.work_dir: the rows must share one work dir (their data stages are shared), "
-                              f"got {sorted(work_dirs)}")
-        first = cfgs[rows[0]]
+        recipe, cfgs = _load(args, overrides)
+        first = next(iter(cfgs.values()))
         preflight(first, write=not args.plan, check_tracking=not args.plan)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.plan:
-        for row, cfg in cfgs.items():
-            paper = "not given" if PAPER[row][3] is None else f"{PAPER[row][3]}M"
-            print(f"row {row} ({PAPER[row][0]}): {num_parameters(cfg) / 1e6:.1f}M parameters (paper: {paper})\n"
-                  f"{runner.format_plan(runner.make_plan(cfg))}\n", flush=True)
+        print_plans(cfgs)
         return 0
     started_ray = False
     try:
         with WorkDirLock(first.run.work_dir):
             started_ray = ensure_ray(first)
-            from pipeline.tracking import Tracking
-
-            Tracking(first).end_dead_runs()  # under the lock: RUNNING runs of this work dir are a dead driver's
-            results = [run_variant(row, cfg) for row, cfg in cfgs.items()]
-        table = render_table(results, first)
-        out = storage.join(storage.absolute(first.run.work_dir), "table3")
-        storage.write_text(storage.join(out, "table3.md"), table)
-        storage.write_text(storage.join(out, "table3.json"), json.dumps(results, indent=2) + "\n")
-        print("\n" + table, flush=True)
+            results = run_sweep(recipe, cfgs, args.max_concurrent_rows, argv)
     except (ConfigError, WorkDirBusy, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -177,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
             import ray
 
             ray.shutdown()
+    failed = [f"{r['row']} (at {r['failed_stage']}: {r['error']})" for r in results if r["status"] != "done"]
+    if failed:
+        print(f"error: {len(failed)} row(s) failed: {'; '.join(failed)}; rerun the same command to continue "
+              "them", file=sys.stderr)
+        return 1
     return 0
 
 

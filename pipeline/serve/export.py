@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any

@@ -1,0 +1,109 @@
+"""workflows/reproduce_table3.py on a two-node Ray cluster: rows side by side, a failed row, a rerun.
+
+A head and a worker node (2 CPUs each) on 127.0.0.1; rows B1 and E of the tiny Table 3 setup of
+test_table3_runner.py with ``--max-concurrent-rows 2``: each row's training takes one node's CPUs,
+so the two train stages run at the same time (their MLflow runs' start/end times overlap). Row
+E's `average` stage is made to fail (in the driver process, below): B1 still finishes, the table
+marks E failed with the reason, and the same command run again runs only E's unfinished stages.
+
+The driver runs in a subprocess so that its Ray connection never mixes with a Ray that other
+tests of the session started in the pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_table3_runner import SIZES
+from tests.support.procs import RayHead, stop
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = r"""
+import json, sys
+from workflows import reproduce_table3
+argv, fail_row = json.loads(sys.argv[1]), sys.argv[2]
+if fail_row:
+    import pipeline.evaluate.average as average
+    real = average.run
+    def failing(ctx):
+        if ctx.cfg.run.name == f"table3-{fail_row}":
+            raise RuntimeError(f"injected failure in row {fail_row}'s average stage")
+        return real(ctx)
+    average.run = failing
+sys.exit(reproduce_table3.main(argv))
+"""
+
+
+def drive(argv: list[str], fail_row: str, log: Path) -> int:
+    with open(log, "w") as f:
+        return subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argv), fail_row], cwd=REPO, stdout=f,
+                              stderr=subprocess.STDOUT, timeout=900).returncode
+
+
+@pytest.mark.slow
+def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_dir, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")  # as cluster.yaml starts a cluster (and test_cluster_train.py)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))  # a throwaway token, never ~/.ray/auth_token
+    work = tmp_path / "work"
+    head = RayHead(tmp_path, num_cpus=2)
+    worker = head.add_worker(num_cpus=2)
+    argv = ["--rows", "B1,E", "--max-concurrent-rows", "2", "--config", "configs/local.toml",
+            f"--run.work_dir={work}", f"--data.mirror={mirror_dir}", f"--run.ray_address={head.address}", *SIZES]
+    try:
+        rc = drive(argv, "E", tmp_path / "driver-1.log")
+        first = json.loads((work / "table3" / "table3.json").read_text())
+        table = (work / "table3" / "table3.md").read_text()
+        rc2 = drive(argv, "", tmp_path / "driver-2.log")
+    finally:
+        stop(worker, timeout_s=5)
+        stop(head.proc, timeout_s=5)
+    log1 = (tmp_path / "driver-1.log").read_text()
+    assert rc == 1, log1[-4000:]
+    b1, e = first
+    assert b1["status"] == "done" and b1["train_steps"] == 16 and 0.0 <= b1["bleu_dev"] <= 100.0
+    assert e["status"] == "failed" and e["failed_stage"] == "average" and e["bleu_dev"] is None
+    assert e["error"] == "RuntimeError: injected failure in row E's average stage"
+    e_line = next(x for x in table.splitlines() if x.startswith("| E |"))
+    assert "**failed** at average: RuntimeError: injected failure" in e_line
+    assert "error: 1 row(s) failed: E (at average" in log1
+
+    client = MlflowClient(f"sqlite:///{work}/mlflow.db")
+    exp = client.get_experiment_by_name("transformer-wmt14-ende")
+    sweeps = client.search_runs([exp.experiment_id], "attributes.run_name = 'table3: B1,E'",
+                                order_by=["attributes.start_time ASC"])
+    assert len(sweeps) == 2 and sweeps[0].data.tags["table3_failed_rows"] == "E"
+    assert sweeps[1].data.tags["table3_failed_rows"] == "none"
+    sweep = sweeps[0]
+    artifacts = {a.path for a in client.list_artifacts(sweep.info.run_id, "table3")}
+    assert artifacts == {"table3/table3.md", "table3/table3.json", "table3/table3.png"}
+    rows = {r.data.tags["table3_row"]: r for r in
+            client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{sweep.info.run_id}'")
+            if "stage" not in r.data.tags}  # the sweep's own children: the rows (and the data stages)
+    assert set(rows) == {"B1", "E"}
+    assert rows["B1"].info.status == "FINISHED" and rows["E"].info.status == "FAILED"
+    assert rows["B1"].data.tags["table3_varies"] == "model.d_k=16"
+    assert rows["E"].data.tags["table3_varies"] == "model.positional=learned"
+    trains = {}
+    for row, run in rows.items():
+        (train,) = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}' "
+                                                           "and tags.stage = 'train'")
+        assert train.info.run_name == f"{row}: train" and train.data.tags["table3_row"] == row
+        trains[row] = train.info
+    # Side by side: each train run started before the other ended.
+    assert max(t.start_time for t in trains.values()) < min(t.end_time for t in trains.values()), trains
+
+    # The rerun: B1 is all cached, E continues after its finished training.
+    log2 = (tmp_path / "driver-2.log").read_text()
+    assert rc2 == 0, log2[-4000:]
+    b1, e = json.loads((work / "table3" / "table3.json").read_text())
+    assert b1["status"] == e["status"] == "done" and b1["ran"] == []
+    assert e["ran"] == ["average", "export", "score", "translate"]  # its training was done: cached
+    assert e["ppl_dev"] > 1.0 and 0.0 <= e["bleu_dev"] <= 100.0

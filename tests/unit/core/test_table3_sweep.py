@@ -1,0 +1,135 @@
+"""workflows/sweep.py and workflows/table3.py without Ray: how many rows fit, branches, threads,
+a failing row, the table's failure marks and the figure."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from workflows import sweep
+from workflows.reproduce_table3 import row_tags, variant_config, varies
+from workflows.table3 import render_table, write_figure
+
+REPO = Path(__file__).resolve().parents[3]
+LOCAL = [str(REPO / "configs" / "local.toml")]
+
+
+@pytest.mark.parametrize(("nodes", "workers", "need", "fits"), [
+    ([{"CPU": 16, "GPU": 8}] * 8, 8, {"CPU": 1, "GPU": 1}, 8),  # the paper's 8 GPUs per row on 64 GPUs
+    ([{"CPU": 16, "GPU": 8}] * 8, 2, {"CPU": 1, "GPU": 1}, 32),
+    ([{"CPU": 4, "GPU": 8}] * 2, 8, {"CPU": 1, "GPU": 1}, 1),  # CPUs are scarcer: 4 workers a node
+    ([{"CPU": 2}, {"CPU": 2}], 1, {"CPU": 2}, 2),
+    ([{"CPU": 3}, {"CPU": 3}], 1, {"CPU": 2}, 2),  # a worker does not span nodes: 1 CPU idle on each
+    ([{"CPU": 2}], 4, {"CPU": 2}, 1),  # not even one row fits: still 1 (Ray waits for resources)
+    ([{"CPU": 8}], 1, {"CPU": 1, "GPU": 1}, 1),  # GPU rows on a CPU-only cluster
+])
+def test_rows_that_fit(nodes, workers, need, fits):
+    assert sweep.rows_that_fit(nodes, workers, need) == fits
+
+
+def test_rows_with_one_train_key_share_a_branch(tmp_path):
+    work = [f"--run.work_dir={tmp_path}"]
+    b1, e = variant_config("B1", LOCAL, work), variant_config("E", LOCAL, work)
+    rows = [sweep.Row("B1", b1), sweep.Row("E", e), sweep.Row("B1-again", variant_config("B1", LOCAL, work))]
+    assert [[r.name for r in g] for g in sweep.branches(rows)] == [["B1", "B1-again"], ["E"]]
+
+
+def test_what_a_row_varies_is_read_from_its_file():
+    assert varies("B1") == "model.d_k=16"
+    assert varies("C4") == "model.d_model=256, model.d_k=32, model.d_v=32"
+    assert varies("base") == "nothing (the reference row)"
+    assert row_tags("E")["table3_variation"] == "positional embedding instead of sinusoids"
+
+
+def _fake_rows(tmp_path, names):
+    return [sweep.Row(n, variant_config(n, LOCAL, [f"--run.work_dir={tmp_path}", "--tracking.enabled=false"])) for n in names]
+
+
+@pytest.mark.parametrize("max_concurrent", [1, 2])
+def test_rows_run_in_threads_up_to_the_limit(tmp_path, monkeypatch, max_concurrent):
+    spans: dict[str, tuple[float, float, str]] = {}
+
+    def fake_execute(cfg, plans, tracking):
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        spans[tracking.label] = (t0, time.monotonic(), threading.current_thread().name)
+        return {}
+
+    monkeypatch.setattr(sweep.runner, "execute", fake_execute)
+    out = sweep.run_rows(_fake_rows(tmp_path, ["B1", "E"]), max_concurrent, None)
+    assert list(out) == ["B1", "E"] and all(o.error is None for o in out.values())
+    (s1, e1, t1), (s2, e2, t2) = spans["B1"], spans["E"]
+    overlap = min(e1, e2) - max(s1, s2)
+    if max_concurrent == 2:
+        assert overlap > 0.2 and t1 != t2
+    else:
+        assert overlap < 0
+
+
+def test_a_failing_row_is_recorded_and_the_others_finish(tmp_path, monkeypatch):
+    def fake_execute(cfg, plans, tracking):
+        if tracking.label == "E":
+            raise RuntimeError("out of memory on a worker")
+        time.sleep(0.2)
+        return {"score": "done"}
+
+    monkeypatch.setattr(sweep.runner, "execute", fake_execute)
+    out = sweep.run_rows(_fake_rows(tmp_path, ["E", "B1"]), 2, None)
+    assert out["B1"].error is None and out["B1"].manifests == {"score": "done"}
+    assert out["E"].manifests is None and out["E"].error == "RuntimeError: out of memory on a worker"
+    assert out["E"].failed_stage == "download"  # an empty work dir: nothing before it finished
+
+
+RESULTS = [
+    {"row": "base", "params": 9.0e6, "status": "done", "ppl_dev": 120.5, "bleu_dev": 1.3, "train_steps": 16,
+     "bleu_metric": "bleu_tok_cs"},
+    {"row": "B1", "params": 8.5e6, "status": "done", "ppl_dev": 130.0, "bleu_dev": 0.9, "train_steps": 16,
+     "bleu_metric": "bleu_tok_cs"},
+    {"row": "E", "params": 9.1e6, "status": "failed", "failed_stage": "average",
+     "error": "RuntimeError: boom | and more", "ppl_dev": None, "bleu_dev": None, "train_steps": None},
+]
+
+
+def test_the_table_marks_a_failed_row_with_its_reason():
+    table = render_table(RESULTS, variant_config("base", LOCAL, []))
+    lines = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ") and "---" not in line}
+    assert lines["B1"].rstrip().endswith("| done |") and "| 130.00 | 5.16 | 0.9 | 25.1 |" in lines["B1"]
+    assert "| E | positional embedding instead of sinusoids | - | - | 4.92 | - | 25.7 |" in lines["E"]
+    assert "**failed** at average: RuntimeError: boom \\| and more |" in lines["E"]
+    assert "Failed rows: E." in table
+
+
+def test_the_figure_is_a_png_of_the_rows(tmp_path):
+    path = tmp_path / "t3.png"
+    write_figure(RESULTS, str(path))
+    img = matplotlib.image.imread(path)
+    # figsize (max(6, 0.55 x 3 rows + 3), 6.2) inches at 110 dpi
+    assert img.shape[:2] == (round(6.2 * 110), round(6.0 * 110))
+    assert img[..., :3].std() > 0.05  # not blank
+
+
+@pytest.mark.parametrize(("nodes", "overrides", "fits"), [
+    ([{"CPU": 16, "GPU": 8}] * 4, ["--train.use_gpu=true", "--train.num_workers=8"], 4),
+    ([{"CPU": 16, "GPU": 8}] * 4, ["--train.use_gpu=true", "range"], 2),  # [4, 16]: counted at its max
+    ([{"CPU": 2}, {"CPU": 2}], ["--train.num_workers=1"], 2),  # CPU auto: a node's CPUs per worker
+    ([{"CPU": 2}, {"CPU": 2}], ["--train.num_workers=1", "--train.cpus_per_worker=1"], 4),
+])
+def test_default_concurrency_reads_the_cluster(tmp_path, monkeypatch, nodes, overrides, fits):
+    import ray
+
+    recipe = list(LOCAL)
+    if "range" in overrides:
+        overrides = [o for o in overrides if o != "range"]
+        (tmp_path / "range.toml").write_text("[train]\nnum_workers = [4, 16]\n")
+        recipe.append(str(tmp_path / "range.toml"))
+
+    alive = [{"Alive": True, "Resources": n} for n in nodes] + [{"Alive": False, "Resources": {"CPU": 64}}]
+    totals = {k: sum(n.get(k, 0) for n in nodes) for k in ("CPU", "GPU")}
+    monkeypatch.setattr(ray, "nodes", lambda: alive)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: totals)
+    cfgs = [variant_config(r, recipe, overrides) for r in ("B1", "E")]
+    assert sweep.default_concurrency(cfgs) == fits
