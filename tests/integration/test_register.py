@@ -73,9 +73,14 @@ def test_the_same_export_again_adds_no_version_a_new_one_does(sqlite_registry, t
     assert sorted(str(v.version) for v in versions) == ["1", "2"]
 
 
-def test_pyfunc_load_model_translates_like_our_greedy_search(sqlite_registry, sentences, greedy):
+def test_pyfunc_load_model_translates_like_our_greedy_search(sqlite_registry, sentences, greedy, monkeypatch):
     import mlflow
 
+    # mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI (and the registry's): without this,
+    # the restore below would leave it set for every later test and the drivers they start.
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
     mlflow.set_tracking_uri(sqlite_registry["uri"])
     mlflow.set_registry_uri(sqlite_registry["uri"])

@@ -40,7 +40,8 @@ def test_two_rows_share_data_and_make_one_table(tmp_path, mirror_dir, capsys, mo
     # The data stages ran once, before the rows (one key each); each row ran its own chain.
     for stage in ("download", "prepare", "vocab", "encode"):
         assert len(list((work / stage).glob("*/_manifest.json"))) == 1, stage
-    assert set(b1["ran"]) == set(e["ran"]) == {"train", "average", "export", "translate", "score"}
+    assert set(b1["ran"]) == set(e["ran"]) == {"train", "average", "export", "translate", "score",
+                                                  "register"}
     assert b1["train_key"] != e["train_key"] and b1["train_steps"] == e["train_steps"] == 16
     # Marian cannot hold B1's d_k nor E's learned positions: export says so instead of writing folders.
     reasons = sorted(json.loads(m.read_text())["outputs"]["not_exported"] for m in (work / "export").glob("*/_manifest.json"))
