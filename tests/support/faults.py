@@ -91,3 +91,30 @@ def _dying_upload(checkpoint: Any, dir_name: str) -> Any:
     time.sleep(5)
     log.warning("fault injection: worker dies during the upload of %s", dir_name)
     os._exit(1)
+
+
+def gate_env(path: str | Path) -> dict[str, str]:
+    """The driver environment that installs `gate` around every worker's session."""
+    return {SESSION_WRAPPER_ENV: f"{__name__}:gate:{path}"}
+
+
+def gate(session: Any, argument: str) -> "GatedSession":
+    return GatedSession(session, Path(argument))
+
+
+class GatedSession:
+    """`session` whose workers wait before any step past the number in the file `path` (a test moves
+    it on): a test can hold a run at a known step while it changes the cluster, instead of racing
+    the loop with sleeps. Waiting changes no number the loop computes."""
+
+    def __init__(self, inner: Any, path: Path):
+        self.inner, self.path = inner, path
+        self.rank, self.world_size, self.device = inner.rank, inner.world_size, inner.device
+
+    def __getattr__(self, name: str) -> Any:  # latest_checkpoint, report, flush_reports: the inner session's
+        return getattr(self.inner, name)
+
+    def before_step(self, step: int) -> None:
+        self.inner.before_step(step)
+        while step > int(self.path.read_text() or 0):
+            time.sleep(0.05)

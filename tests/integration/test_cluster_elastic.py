@@ -1,0 +1,180 @@
+"""An elastic run (`train.num_workers = [1, 2]`) over two nodes: it shrinks when a node is lost and
+grows back when one joins, and trains the same model, step for step.
+
+Two Ray nodes on this machine, one CPU each (a head with `node_a`, a worker with `node_b`), so each
+worker of the group has a node of its own. The real `train` stage runs in a driver subprocess (its
+Ray connection never mixes with the pytest process's), tracked to the suite's MLflow server.
+A session wrapper (`tests/support/faults.py:gate`) holds the workers before a step the test names,
+so the cluster changes at known steps, with no race against the loop:
+
+    steps 1-12 on 2 workers (checkpoint 10)  -> node_b's processes killed (its raylet and worker)
+    steps 11-22 on 1 worker, from checkpoint 10 (checkpoint 20) -> a new node joins
+    steps 21-40 on 2 workers, from checkpoint 20, after Ray Train's resize check
+
+Model dropout is 0: the loop seeds dropout per (seed, rank, step), so at another world size the
+same step draws other masks; everything else a step computes (its sentences, the loss normalized
+by the step's target tokens, the lr) does not depend on the world size, so the losses must equal
+an uninterrupted two-worker run's up to the order of the reductions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.train.synthetic import write_reverse_task
+from tests.support.faults import gate_env
+from tests.support.mlflow_server import MlflowServer
+from tests.support.procs import RayHead, stop
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_STEPS, INTERVAL, VOCAB = 40, 10, 48
+
+DRIVER = r"""
+import json, sys
+import ray
+from pipeline.train import stage as train
+from pipeline.config import load_config
+from pipeline.stage import Manifest, StageContext
+from pipeline.tracking import RunLogger
+
+overrides, out_dir, shards, repo, run, uri, run_id = json.loads(sys.argv[1]), *sys.argv[2:8]
+cfg = load_config(None, overrides)
+ray.init(address=cfg.run.ray_address, runtime_env={"env_vars": {"PYTHONPATH": repo}}, log_to_driver=False)
+vocab = {"vocab_size": %(vocab)d, "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
+inputs = {"encode": Manifest("encode", "k", "", {"splits": {"train": {"dir": shards}}}),
+          "vocab": Manifest("vocab", "k", "", vocab)}
+result = train.run(StageContext("train", run, cfg, out_dir, inputs, RunLogger(uri, run_id)))
+print("RESULT " + json.dumps({"outputs": result.outputs,
+                              "session_dir": ray._private.worker._global_node.get_session_dir_path()}))
+""" % {"vocab": VOCAB}
+
+
+def config(head: RayHead, work_dir: Path, workers: str) -> list[str]:
+    return [f"--run.ray_address={head.address}", f"--run.work_dir={work_dir}", f"--train.num_workers={workers}",
+            "--train.elastic_resize_interval_s=2", "--train.cpus_per_worker=1", "--train.use_gpu=false",
+            "--train.precision=fp32", "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2",
+            "--model.n_encoder_layers=1", "--model.n_decoder_layers=1", "--model.max_positions=64",
+            "--model.dropout=0", "--train.max_len=32", f"--train.max_steps={MAX_STEPS}", "--train.warmup_steps=10",
+            "--train.tokens_per_step=300", "--train.max_tokens_per_batch=200",
+            f"--train.checkpoint_interval_steps={INTERVAL}", "--train.log_interval_steps=1",
+            "--train.eval_interval_steps=1000", "--train.max_failures=3"]
+
+
+def start_driver(tmp: Path, overrides: list[str], run: str, shards: Path, uri: str, run_id: str,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    work_dir = overrides[1].split("=", 1)[1]
+    return subprocess.Popen(
+        [sys.executable, "-c", DRIVER, json.dumps(overrides), f"{work_dir}/train/{run}", str(shards), str(REPO), run,
+         uri, run_id], cwd=REPO, stdout=subprocess.PIPE, stderr=open(tmp / f"driver-{run}.log", "w"), text=True,
+        env={**os.environ, **(env or {})})
+
+
+def finish(driver: subprocess.Popen, tmp: Path, run: str, timeout_s: float = 360) -> dict:
+    out, _ = driver.communicate(timeout=timeout_s)
+    assert driver.returncode == 0, (tmp / f"driver-{run}.log").read_text()[-4000:]
+    return json.loads(out.split("RESULT ", 1)[1])
+
+
+def registered_step(work_dir: Path, run: str) -> int:
+    """The step of the latest checkpoint Ray Train has registered (0 = none yet): its controller
+    rewrites checkpoint_manager_snapshot.json in the run's folder at each registration."""
+    try:
+        snapshot = json.loads((work_dir / "ray_train" / run / "checkpoint_manager_snapshot.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):  # not yet, or being rewritten
+        return 0
+    return max(map(int, re.findall(r"checkpoint_(\d+)", json.dumps(snapshot.get("latest_checkpoint_result")))),
+               default=0)
+
+
+def set_gate(path: Path, step: int) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(step))
+    os.replace(tmp, path)  # the workers never read a half-written number
+
+
+def wait_for(what: str, cond, driver: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert driver.poll() is None, f"the driver ended while waiting for {what}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s\n{log.read_text()[-3000:]}"
+        time.sleep(0.3)
+
+
+def history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def test_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_model(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    shards = write_reverse_task(tmp_path / "shards", num_rows=400, vocab_size=VOCAB, num_shards=2)
+    server = MlflowServer(tmp_path / "mlflow")
+    head = RayHead(tmp_path, num_cpus=1, resources='{"node_a": 1}')
+    nodes = [head.add_worker(num_cpus=1, resources='{"node_b": 1}', name="worker-b")]
+    drivers: list[subprocess.Popen] = []
+    try:
+        client = MlflowClient(server.uri)
+        experiment = client.create_experiment("elastic")
+        ref_id, run_id = (client.create_run(experiment).info.run_id for _ in range(2))
+        work_dir = tmp_path / "wd"
+
+        # The reference: two workers, uninterrupted.
+        drivers.append(start_driver(tmp_path, config(head, work_dir, "2"), "reference", shards, server.uri, ref_id))
+        finish(drivers[-1], tmp_path, "reference")
+
+        gate, log = tmp_path / "gate", tmp_path / "driver-elastic.log"
+        set_gate(gate, 12)
+        driver = start_driver(tmp_path, config(head, work_dir, "1,2"), "elastic", shards, server.uri, run_id,
+                              env=gate_env(gate))
+        drivers.append(driver)
+        wait_for("checkpoint 10 registered", lambda: registered_step(work_dir, "elastic") >= 10, driver, log)
+        stop(nodes[0], timeout_s=0)  # node_b is lost: SIGKILL to its raylet and its worker
+        set_gate(gate, 22)
+        wait_for("checkpoint 20 registered (on the worker left)", lambda: registered_step(work_dir, "elastic") >= 20,
+                 driver, log)
+        nodes.append(head.add_worker(num_cpus=1, resources='{"node_b": 1}', name="worker-b2"))
+        wait_for("the group grown back to 2 workers", lambda: history(client, run_id, "train/world_size")[-1:] ==
+                 [(20, 2.0)], driver, log)
+        set_gate(gate, MAX_STEPS)
+        result = finish(driver, tmp_path, "elastic")
+        assert result["outputs"]["final_step"] == MAX_STEPS
+        assert result["outputs"]["num_workers"] == 2
+        # One point per (re)start, at the step it resumed from: 2 workers, then 1 after the loss of
+        # node_b (from checkpoint 10), then 2 again after the resize (from checkpoint 20).
+        assert history(client, run_id, "train/world_size") == [(0, 2.0), (10, 1.0), (20, 2.0)]
+        accum = dict(history(client, run_id, "train/accum"))
+        assert sorted(accum) == [0, 10, 20] and accum[10] >= accum[20]
+        want, got = history(client, ref_id, "train/loss"), history(client, run_id, "train/loss")
+        steps = [s for s, _ in got]
+        assert steps == list(range(1, MAX_STEPS + 1)), "every step logged exactly once (replayed steps not again)"
+        assert [s for s, _ in want] == steps
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
+
+        logs = "\n".join(p.read_text(errors="replace") for p in Path(result["session_dir"], "logs").rglob("*")
+                         if p.is_file() and p.suffix in (".out", ".err", ".log"))
+        assert re.search(r"elastic: resumed at step 10 on 1 worker\(s\), 2 at the checkpoint: the group shrank", logs)
+        assert re.search(r"elastic: resumed at step 20 on 2 worker\(s\), 1 at the checkpoint: the group grew", logs)
+        # Ray 2.60 charges a node lost without a drain notice to train.max_failures (one worker-group
+        # failure here); the resize back to 2 workers is no failure. README "On spot or preemptible nodes".
+        assert set(re.findall(r"Source: worker group\s+Error count: (\d+) \(max allowed: 3\)", logs)) == {"1"}
+    finally:
+        for d in drivers:
+            if d.poll() is None:
+                d.kill()
+        for n in nodes:
+            stop(n, timeout_s=5)
+        stop(head.proc, timeout_s=5)
+        server.stop()
