@@ -160,6 +160,9 @@ class TrainConfig:
     compile_backend: str = op("inductor")  # torch.compile backend ("aot_eager": capture only, for tests)
     grad_compression: str = op("none")  # "bf16": DDP all-reduces gradients in bf16 (multi-node)
     checkpoint_upload: str = op("async")  # "async": upload in the background (Ray Train ASYNC); "sync"
+    # An object store that refuses or drops writes: a checkpoint upload is retried with backoff for
+    # up to this many seconds (pipeline.train.upload), then the worker fails (max_failures).
+    checkpoint_upload_retry_s: float = op(600.0)
     # SIGTERM (a spot/preemptible VM's or Kubernetes' notice) -> a checkpoint at the next agreed
     # step boundary if a step + a save fit in this many seconds, then the group stops and the run
     # resumes there (pipeline.train.preemption). 0 = off: SIGTERM ends the worker at once.
@@ -193,6 +196,7 @@ class TrainConfig:
         _check(self.cpus_per_worker >= 0, "train.cpus_per_worker", "must be >= 0 (0 = auto)")
         _check(self.grad_compression in ("none", "bf16"), "train.grad_compression", "must be none or bf16")
         _check(self.checkpoint_upload in ("async", "sync"), "train.checkpoint_upload", "must be async or sync")
+        _check(self.checkpoint_upload_retry_s >= 0, "train.checkpoint_upload_retry_s", "must be >= 0 (0 = no retry)")
         _check(self.preemption_grace_s >= 0, "train.preemption_grace_s", "must be >= 0 (0 = off)")
 
 

@@ -71,7 +71,7 @@ class LocalSession:
 class RaySession:
     """The loop's session inside a Ray Train worker (the only part of the loop that imports Ray)."""
 
-    def __init__(self, validate: bool = False) -> None:
+    def __init__(self, validate: bool = False, upload_retry_s: float = 0.0) -> None:
         import ray.train
         import ray.train.torch
 
@@ -79,6 +79,7 @@ class RaySession:
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
+        self.upload_retry_s = upload_retry_s  # an object store's outage delays an upload this long (upload.py)
 
     @contextlib.contextmanager
     def latest_checkpoint(self) -> Iterator[str | None]:
@@ -93,10 +94,14 @@ class RaySession:
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, dir_name: str | None,
                upload_async: bool = False, upload_fn: Any = None) -> None:
-        """`ray.train.report`; `upload_fn` replaces Ray Train's own upload (its
-        `checkpoint_upload_fn`), for a wrapper that wants to watch or break one."""
+        """`ray.train.report`; the upload is `pipeline.train.upload`'s (retried, verified) unless
+        `upload_fn` replaces it (Ray's `checkpoint_upload_fn`), for a wrapper that watches or breaks one."""
         import ray.train
         from ray.train import CheckpointUploadMode
+
+        from pipeline.train.upload import ray_upload_fn
+
+        upload_fn = upload_fn or ray_upload_fn(self.upload_retry_s)
 
         checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
         mode = CheckpointUploadMode.ASYNC if upload_async else CheckpointUploadMode.SYNC

@@ -131,7 +131,8 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         pkg.addHandler(handler)
     pkg.setLevel(logging.INFO)
     validate = bool(config.pop("dev_bleu", False))  # set by `fit` when it gives a validation_config
-    return train_worker(config, RaySession(validate))
+    retry_s = config["cfg"]["train"]["checkpoint_upload_retry_s"]
+    return train_worker(config, RaySession(validate, upload_retry_s=retry_s))
 
 
 def forget_run(cfg: Config, key: str) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.train.synthetic import write_reverse_task
-from tests.support.faults import gate_env
+from tests.support.faults import gate_env, set_gate
 from tests.support.mlflow_server import MlflowServer
 from tests.support.procs import RayHead, stop
 
@@ -95,12 +95,6 @@ def registered_step(work_dir: Path, run: str) -> int:
         return 0
     return max(map(int, re.findall(r"checkpoint_(\d+)", json.dumps(snapshot.get("latest_checkpoint_result")))),
                default=0)
-
-
-def set_gate(path: Path, step: int) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(str(step))
-    os.replace(tmp, path)  # the workers never read a half-written number
 
 
 def wait_for(what: str, cond, driver: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:

@@ -98,6 +98,14 @@ def gate_env(path: str | Path) -> dict[str, str]:
     return {SESSION_WRAPPER_ENV: f"{__name__}:gate:{path}"}
 
 
+def set_gate(path: str | Path, step: int) -> None:
+    """Let the gated workers run up to `step` (written whole: a worker never reads half a number)."""
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(step))
+    os.replace(tmp, path)
+
+
 def gate(session: Any, argument: str) -> "GatedSession":
     return GatedSession(session, Path(argument))
 

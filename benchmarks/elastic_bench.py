@@ -1,0 +1,268 @@
+"""What a node loss, a preemption notice and a tracking outage cost a training run (issue 17).
+
+1. Two Ray nodes on this machine (one CPU each, tests/support/procs.py), the real `train` stage with
+   `train.num_workers = [1, 2]` on the scale bench's synthetic corpus (benchmarks/scale_bench.py:
+   WMT14 EN-DE length distribution, 1000-piece ids). Once Ray Train has registered checkpoint 10
+   the second node's processes are killed (SIGKILL to its raylet's session): the time from the
+   kill to the first step of the one-worker group, and the steps lost (done after the checkpoint
+   it resumes from, so replayed). Then a SIGTERM to the remaining worker, a few steps after the
+   resume: the steps lost (the run resumes from the checkpoint the notice wrote) and the time to
+   the next step. Every step is stamped by a session wrapper here (`stamp`: time, step, world
+   size, pid), installed as the tests install theirs.
+2. The loop (in-process, `LocalSession`) logging every 2 steps to an MLflow server that is stopped
+   for --outage-s, with MLflow's HTTP retries shortened to 4 retries, backoff factor 1 (1+2+4+8 s;
+   the defaults, 7 and 2, wait up to ~4 min): the longest step and the steps done while the server
+   is away, with the synchronous `RunLogger` (the loop's logger before 1ae1c38) and with
+   `BufferedRunLogger` (now).
+
+    python benchmarks/elastic_bench.py --json elastic.json
+
+Model: --d-model 256, 3+3 layers, --tokens-per-step 600 by default, not base size: on this
+machine's 2 shared CPU cores a base step (d_model 512, 6+6 layers) at even 1000 tokens takes ~5 s
+and its checkpoint is ~0.5 GB, so a run with two restarts would not fit in minutes. What the
+figures are made of (Ray's detection and restart, a checkpoint's load, MLflow's retries) is stated
+next to them in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+DRIVER = r"""
+import json, sys
+import ray
+from pipeline.train import stage as train
+from pipeline.config import load_config
+from pipeline.stage import Manifest, StageContext
+
+overrides, out_dir, shards, repo, run = json.loads(sys.argv[1]), *sys.argv[2:6]
+cfg = load_config(None, overrides)
+ray.init(address=cfg.run.ray_address, runtime_env={"env_vars": {"PYTHONPATH": repo}}, log_to_driver=False)
+vocab = {"vocab_size": 1004, "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
+inputs = {"encode": Manifest("encode", "k", "", {"splits": {"train": {"dir": shards}}}),
+          "vocab": Manifest("vocab", "k", "", vocab)}
+print("RESULT " + json.dumps(train.run(StageContext("train", run, cfg, out_dir, inputs)).outputs))
+"""
+
+
+# ------------------------------------------------------------------ the session wrapper (workers)
+
+
+def stamp(session: Any, path: str) -> Any:
+    """Rank 0 appends `time step world pid` before each step to `path`."""
+
+    class Stamped:
+        def __init__(self, inner: Any):
+            self.inner, self.rank, self.world_size, self.device = inner, inner.rank, inner.world_size, inner.device
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def before_step(self, step: int) -> None:
+            self.inner.before_step(step)
+            if self.rank == 0:
+                with open(path, "a") as f:
+                    f.write(f"{time.time():.3f} {step} {self.world_size} {os.getpid()}\n")
+
+    return Stamped(session)
+
+
+def read_stamps(path: Path) -> list[tuple[float, int, int, int]]:
+    if not path.exists():
+        return []
+    rows = [line.split() for line in path.read_text().splitlines()]
+    return [(float(t), int(s), int(w), int(p)) for t, s, w, p in (r for r in rows if len(r) == 4)]
+
+
+def registered_step(run_dir: Path) -> int:
+    import re
+
+    try:
+        snap = (run_dir / "checkpoint_manager_snapshot.json").read_text()
+        latest = json.dumps(json.loads(snap).get("latest_checkpoint_result"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+    return max(map(int, re.findall(r"checkpoint_(\d+)", latest)), default=0)
+
+
+def wait(what: str, cond: Any, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: the driver ended or {timeout_s} s passed")
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ 1. node loss and SIGTERM
+
+
+def model_args(a: argparse.Namespace) -> list[str]:
+    return [f"--model.d_model={a.d_model}", f"--model.d_ff={4 * a.d_model}", f"--model.n_heads={a.d_model // 64}",
+            f"--model.n_encoder_layers={a.layers}", f"--model.n_decoder_layers={a.layers}",
+            "--model.max_positions=256", "--train.max_len=200", f"--train.tokens_per_step={a.tokens_per_step}",
+            f"--train.max_tokens_per_batch={max(a.tokens_per_step, 1600)}", "--train.warmup_steps=100"]
+
+
+def cluster_part(a: argparse.Namespace, shards: Path, work: Path) -> dict[str, Any]:
+    from tests.support.procs import RayHead, stop
+
+    import secrets
+
+    stamps, run = work / "stamps.txt", "elastic-bench"
+    # As tests/integration/test_cluster_train.py: `ray start` turns token auth on once ~/.ray/auth_token exists.
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
+    head = RayHead(work, num_cpus=1, resources='{"node_a": 1}')
+    nodes = [head.add_worker(num_cpus=1, resources='{"node_b": 1}', name="worker-b")]
+    overrides = [f"--run.ray_address={head.address}", f"--run.work_dir={work / 'wd'}", "--train.num_workers=1,2",
+                 "--train.cpus_per_worker=1", "--train.use_gpu=false", "--train.precision=fp32",
+                 f"--train.max_steps={a.max_steps}", "--train.checkpoint_interval_steps=10",
+                 "--train.log_interval_steps=10", "--train.eval_interval_steps=100000", "--train.max_failures=5",
+                 "--train.elastic_resize_interval_s=600", *model_args(a)]
+    env = {**os.environ, "TRANSFORMER_REPRO_SESSION_WRAPPER": f"benchmarks.elastic_bench:stamp:{stamps}",
+           "PYTHONPATH": str(REPO)}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(overrides), str(work / "wd/train" / run),
+                               str(shards), str(REPO), run], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=open(work / "driver.log", "w"), text=True)
+    run_dir = work / "wd/ray_train" / run
+    try:
+        wait("checkpoint 10", lambda: registered_step(run_dir) >= 10, driver)
+        before = read_stamps(stamps)
+        t_kill = time.time()
+        stop(nodes[0], timeout_s=0)
+        wait("a step on one worker", lambda: any(w == 1 for _, _, w, _ in read_stamps(stamps)), driver)
+        small = [r for r in read_stamps(stamps) if r[2] == 1]
+        resumed = small[0][1] - 1
+        done_before = max(s for t, s, _, _ in before + [r for r in read_stamps(stamps) if r[0] < t_kill]) - 1
+        wait("3 steps on one worker", lambda: read_stamps(stamps)[-1][1] >= resumed + 4, driver)
+        last = read_stamps(stamps)[-1]
+        t_term = time.time()
+        os.kill(last[3], signal.SIGTERM)
+        wait("a step after the SIGTERM restart",
+             lambda: any(p != last[3] for _, _, _, p in read_stamps(stamps)[-3:]), driver)
+        after = next(r for r in read_stamps(stamps) if r[3] != last[3] and r[0] > t_term)
+        signalled_step = max(s for t, s, _, p in read_stamps(stamps) if p == last[3] and t <= t_term)
+        out, _ = driver.communicate(timeout=900)
+        if driver.returncode != 0:
+            raise RuntimeError((work / "driver.log").read_text()[-3000:])
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        for n in nodes:
+            stop(n, timeout_s=5)
+        stop(head.proc, timeout_s=5)
+    steps = read_stamps(stamps)
+    world2 = [b[0] - a_[0] for a_, b in zip(steps, steps[1:]) if a_[2] == b[2] == 2 and b[1] == a_[1] + 1]
+    world1 = [b[0] - a_[0] for a_, b in zip(steps, steps[1:]) if a_[2] == b[2] == 1 and b[1] == a_[1] + 1]
+    return {"step_s_2_workers": sorted(world2)[len(world2) // 2], "step_s_1_worker": sorted(world1)[len(world1) // 2],
+            "node_loss_to_first_step_s": small[0][0] - t_kill, "node_loss_resumed_from": resumed,
+            "node_loss_steps_done_before": done_before, "node_loss_steps_lost": done_before - resumed,
+            "sigterm_during_step": signalled_step, "sigterm_resumed_from": after[1] - 1,
+            "sigterm_steps_lost": signalled_step - (after[1] - 1), "sigterm_to_next_step_s": after[0] - t_term,
+            "final_step": json.loads(out.split("RESULT ", 1)[1])["final_step"]}
+
+
+# ------------------------------------------------------------------ 2. tracking outage
+
+
+def outage_part(a: argparse.Namespace, shards: Path, work: Path, buffered: bool) -> dict[str, Any]:
+    import torch
+    from mlflow import MlflowClient
+
+    from model import ModelConfig
+    from pipeline import tracking
+    from pipeline.config import load_config
+    from pipeline.train import metrics
+    from pipeline.train.loop import LocalSession, LoopSpec, Trainer
+    from tests.support.mlflow_server import MlflowServer
+
+    os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "4", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"})
+    torch.set_num_threads(2)
+    cfg = load_config(None, [f"--train.max_steps={10**6}", "--train.log_interval_steps=2",
+                             "--train.checkpoint_interval_steps=1000000", "--train.eval_interval_steps=1000000",
+                             *model_args(a)])
+    mc = ModelConfig(**{**ModelConfig().to_dict(), "vocab_size": 1004, "d_model": a.d_model, "d_ff": 4 * a.d_model,
+                        "n_heads": a.d_model // 64, "n_encoder_layers": a.layers, "n_decoder_layers": a.layers,
+                        "max_positions": 256})
+    server = MlflowServer(work / ("mlflow-buffered" if buffered else "mlflow-sync"))
+    original = metrics._make_tracker
+    if not buffered:  # the loop's logger before 1ae1c38: each log step waits for the server
+        metrics._make_tracker = lambda uri, run_id, buffer_s: tracking.RunLogger(uri, run_id)
+    try:
+        client = MlflowClient(server.uri)
+        run_id = client.create_run(client.create_experiment("outage")).info.run_id
+        spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(shards), tracking_uri=server.uri,
+                        run_id=run_id)
+        trainer = Trainer(spec, LocalSession(work / ("ck-b" if buffered else "ck-s")))
+        times: list[tuple[float, int]] = []
+        inner = trainer.session.before_step
+        trainer.session.before_step = lambda step: (times.append((time.time(), step)), inner(step))[1]
+        th = threading.Thread(target=trainer.run, daemon=True)
+        th.start()
+        while trainer.progress.step < 20:
+            time.sleep(0.05)
+        t0 = time.time()
+        server.stop(timeout_s=0)
+        time.sleep(a.outage_s)
+        t1 = time.time()
+        server.start()
+        time.sleep(5)
+        trainer.tc.max_steps = trainer.progress.step + 2 - trainer.progress.step % 2
+        th.join(timeout=600)
+    finally:
+        metrics._make_tracker = original
+        server.stop()
+    gaps = [(b[0] - x[0], x[0]) for x, b in zip(times, times[1:])]
+    usual = sorted(g for g, t in gaps if t < t0)[len([g for g, t in gaps if t < t0]) // 2]
+    during = [g for g, t in gaps if t0 <= t < t1]
+    return {"logger": "BufferedRunLogger" if buffered else "RunLogger (sync)", "usual_step_s": usual,
+            "longest_step_in_outage_s": max(during) if during else t1 - t0,
+            "steps_in_outage": len(during), "steps_expected": (t1 - t0) / usual, "outage_s": t1 - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=50_000)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--tokens-per-step", type=int, default=600)
+    ap.add_argument("--max-steps", type=int, default=60)
+    ap.add_argument("--outage-s", type=float, default=25.0)
+    ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "elastic-bench"))
+    ap.add_argument("--mirror", default=os.environ.get("WMT14_MIRROR", str(REPO.parent / "shared/data/statmt-mirror")))
+    ap.add_argument("--parts", default="cluster,outage")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import scale_bench
+
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    shards = scale_bench.write_corpus(work / f"corpus-{a.pairs}", a.pairs, scale_bench.mirror_lengths(Path(a.mirror)))
+    result: dict[str, Any] = {"model": {"d_model": a.d_model, "layers": a.layers, "tokens_per_step": a.tokens_per_step}}
+    if "cluster" in a.parts:
+        result["cluster"] = cluster_part(a, shards, Path(tempfile.mkdtemp(dir=work, prefix="cluster-")))
+        print(json.dumps(result["cluster"], indent=1), flush=True)
+    if "outage" in a.parts:
+        result["outage"] = [outage_part(a, shards, Path(tempfile.mkdtemp(dir=work, prefix="outage-")), b)
+                            for b in (False, True)]
+        print(json.dumps(result["outage"], indent=1), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
