@@ -113,7 +113,8 @@ def model_args(a: argparse.Namespace) -> list[str]:
     return [f"--model.d_model={a.d_model}", f"--model.d_ff={4 * a.d_model}", f"--model.n_heads={a.d_model // 64}",
             f"--model.n_encoder_layers={a.layers}", f"--model.n_decoder_layers={a.layers}",
             "--model.max_positions=256", "--train.max_len=200", f"--train.tokens_per_step={a.tokens_per_step}",
-            f"--train.max_tokens_per_batch={max(a.tokens_per_step, 1600)}", "--train.warmup_steps=100"]
+            f"--train.max_tokens_per_batch={max(a.tokens_per_step, 1600)}", "--train.warmup_steps=100",
+            "--train.precision=fp32"]
 
 
 def cluster_part(a: argparse.Namespace, shards: Path, work: Path) -> dict[str, Any]:
@@ -194,13 +195,16 @@ def outage_part(a: argparse.Namespace, shards: Path, work: Path, buffered: bool)
     cfg = load_config(None, [f"--train.max_steps={10**6}", "--train.log_interval_steps=2",
                              "--train.checkpoint_interval_steps=1000000", "--train.eval_interval_steps=1000000",
                              *model_args(a)])
-    mc = ModelConfig(**{**ModelConfig().to_dict(), "vocab_size": 1004, "d_model": a.d_model, "d_ff": 4 * a.d_model,
-                        "n_heads": a.d_model // 64, "n_encoder_layers": a.layers, "n_decoder_layers": a.layers,
-                        "max_positions": 256})
+    mc = ModelConfig(vocab_size=1004, d_model=a.d_model, d_ff=4 * a.d_model, n_heads=a.d_model // 64,
+                     n_encoder_layers=a.layers, n_decoder_layers=a.layers, max_positions=256)
     server = MlflowServer(work / ("mlflow-buffered" if buffered else "mlflow-sync"))
     original = metrics._make_tracker
     if not buffered:  # the loop's logger before 1ae1c38: each log step waits for the server
-        metrics._make_tracker = lambda uri, run_id, buffer_s: tracking.RunLogger(uri, run_id)
+        class SyncLogger(tracking.RunLogger):
+            def close(self) -> None:  # nothing buffered
+                pass
+
+        metrics._make_tracker = lambda uri, run_id, buffer_s: SyncLogger(uri, run_id)
     try:
         client = MlflowClient(server.uri)
         run_id = client.create_run(client.create_experiment("outage")).info.run_id
