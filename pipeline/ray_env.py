@@ -78,6 +78,16 @@ def start_local_ray(**init_kwargs: Any) -> str:
     return gcs
 
 
+def worker_logging() -> None:
+    """The project's INFO lines from inside a Ray worker or task (Ray gives them no handler)."""
+    pkg = logging.getLogger("pipeline")
+    if not pkg.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+        pkg.addHandler(handler)
+    pkg.setLevel(logging.INFO)
+
+
 def node_cpus() -> list[float]:
     """The CPUs of each alive node of the connected Ray cluster."""
     import ray

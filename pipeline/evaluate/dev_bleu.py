@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.ray_env import worker_logging
 from pipeline import storage
 from pipeline.config import Config, parse_resources
 
@@ -123,7 +124,7 @@ def validate_checkpoint(checkpoint: Any, *, run_dir: str, dev_dir: str, spm: str
                         tracking_uri: str | None, run_id: str | None) -> dict[str, float]:
     """Ray Train's validation function: ``checkpoint`` (a registered ``ray.train.Checkpoint``) first,
     the ``fn_kwargs`` above; returns the metrics Ray merges into the checkpoint's."""
-    _task_logging()
+    worker_logging()
     name = Path(checkpoint.path).name
     step = step_of(name)
     newest = newest_registered_step(run_dir)
@@ -302,15 +303,6 @@ def _log_to_run(uri: str | None, run_id: str | None, metrics: dict[str, float], 
             if attempt == 2:
                 log.warning("dev BLEU: could not log step %d to MLflow (%s)", step, e)
             time.sleep(1.0)
-
-
-def _task_logging() -> None:
-    pkg = logging.getLogger("pipeline")
-    if not pkg.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-        pkg.addHandler(handler)
-    pkg.setLevel(logging.INFO)
 
 
 def report_lines(averaged: list[str]) -> list[str]:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from model import ModelConfig
-from pipeline.ray_env import ensure_ray, node_cpus
+from pipeline.ray_env import ensure_ray, node_cpus, worker_logging
 from pipeline import storage
 from pipeline.evaluate import dev_bleu
 from pipeline.evaluate.selection import kept_shortfall
@@ -124,12 +124,7 @@ def _session_wrapper() -> str:
 
 def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     """What every Ray Train worker runs."""
-    pkg = logging.getLogger("pipeline")
-    if not pkg.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-        pkg.addHandler(handler)
-    pkg.setLevel(logging.INFO)
+    worker_logging()
     validate = bool(config.pop("dev_bleu", False))  # set by `fit` when it gives a validation_config
     retry_s = config["cfg"]["train"]["checkpoint_upload_retry_s"]
     return train_worker(config, RaySession(validate, upload_retry_s=retry_s))

@@ -27,6 +27,7 @@ from pipeline import storage
 from pipeline.train.synthetic import write_reverse_task
 from tests.support.faults import gate_env, set_gate
 from tests.support.flaky_proxy import FlakyProxy
+from tests.support.procs import wait_for
 from tests.support.s3 import s3, s3_module  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
@@ -62,14 +63,6 @@ def registered(s3) -> list[int]:
     return sorted({int(s) for s in re.findall(r"checkpoint_(\d+)", snapshot.decode())})
 
 
-def wait_for(what: str, cond, driver: subprocess.Popen, log: Path, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert driver.poll() is None, f"the driver ended while waiting for {what}:\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s\n{log.read_text()[-3000:]}"
-        time.sleep(0.2)
-
-
 def test_a_store_outage_during_an_upload_delays_it_and_registers_complete_checkpoints(s3, tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     shards = s3.uri("upload-data/train")
@@ -90,10 +83,10 @@ def test_a_store_outage_during_an_upload_delays_it_and_registers_complete_checkp
                                shards, RUN], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"),
                               text=True)
     try:
-        wait_for("checkpoint 10 registered", lambda: registered(s3) == [10], driver, log)
+        wait_for("checkpoint 10 registered", lambda: registered(s3) == [10], driver, log, timeout_s=240)
         proxy.mode = "drop"  # requests cut off after 16 KiB: the checkpoint files are larger
         set_gate(gate, MAX_STEPS)
-        wait_for("the upload of checkpoint 20 tried", lambda: proxy.resets >= 2, driver, log)
+        wait_for("the upload of checkpoint 20 tried", lambda: proxy.resets >= 2, driver, log, timeout_s=240)
         time.sleep(3)
         proxy.mode = "refuse"
         time.sleep(4)

@@ -25,7 +25,6 @@ import re
 import secrets
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,7 @@ import pytest
 from pipeline.train.synthetic import write_reverse_task
 from tests.support.faults import gate_env, set_gate
 from tests.support.mlflow_server import MlflowServer
-from tests.support.procs import RayHead, stop
+from tests.support.procs import RayHead, stop, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -95,14 +94,6 @@ def registered_step(work_dir: Path, run: str) -> int:
         return 0
     return max(map(int, re.findall(r"checkpoint_(\d+)", json.dumps(snapshot.get("latest_checkpoint_result")))),
                default=0)
-
-
-def wait_for(what: str, cond, driver: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert driver.poll() is None, f"the driver ended while waiting for {what}:\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s\n{log.read_text()[-3000:]}"
-        time.sleep(0.3)
 
 
 def history(client, run_id: str, key: str) -> list[tuple[int, float]]:

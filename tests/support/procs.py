@@ -120,3 +120,13 @@ class RayHead:
 
     def stop(self) -> None:
         stop(self.proc)
+
+
+def wait_for(what: str, cond, driver: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    """Poll `cond()` until true; fail naming `what` (with the driver's log) if the driver ends first
+    or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert driver.poll() is None, f"the driver ended while waiting for {what}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
