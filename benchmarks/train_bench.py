@@ -18,7 +18,9 @@ step. Synthetic "reverse" data with a WMT-like spread of lengths; `train.precisi
 
 E. --cpu-bf16: the bare step in fp32 and under bf16 autocast, side by side, at local size
    (d_model 128, 2+2 layers, vocab 4000, ~2500 target tokens) and at d_model 256, 3+3, vocab 8000
-   (~2700 target tokens), all threads; the ratio fp32 time / bf16 time.
+   (~2700 target tokens), and with --train-dir on local mode's real WMT batches; all threads;
+   bf16 with each micro-batch's rows as they are and rounded up to 64 (what the loop does,
+   `pipeline.train.precision.row_multiple`); the ratio fp32 time / bf16 (x64) time.
 F. --convergence STEPS: the loop (A) for STEPS steps at local size in fp32 and in bf16, the same
    seed and batches; dev loss and ppl of both (bf16 should be within a small margin of fp32).
 """
@@ -29,6 +31,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -41,14 +44,15 @@ from pipeline.train import batching
 from pipeline.config import Config
 from pipeline.train.corpus import load_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
-from pipeline.train.precision import resolve_precision
+from pipeline.train.precision import resolve_precision, row_multiple
 from pipeline.train.step import accumulate_gradients, optimizer_step, to_device
 from pipeline.train.synthetic import write_reverse_task
 
 
-def build(args, work: Path) -> tuple[dict, Config, ModelConfig]:
-    shards = write_reverse_task(work / "train", args.rows, args.vocab, min_len=3, max_len=args.max_len,
-                                num_shards=4, seed=0)
+def build(args, work: Path, train_dir: str = "") -> tuple[dict, Config, ModelConfig]:
+    """The bench's config and loop spec, on `train_dir`'s shards or a synthetic reverse task."""
+    shards = train_dir or write_reverse_task(work / "train", args.rows, args.vocab, min_len=3,
+                                             max_len=args.max_len, num_shards=4, seed=0)
     cfg = Config()
     m = cfg.model
     m.d_model, m.d_ff, m.n_heads = args.d_model, 4 * args.d_model, 4
@@ -75,8 +79,10 @@ def run_loop(spec: dict, work: Path, device: str) -> dict:
             "tgt_tokens_per_s": out["tokens_seen"]["tgt"] / wall}
 
 
-def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device):
-    """Every step's micro-batches, as the loop would cut them (collated up front)."""
+def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device, precision: str = ""):
+    """Every step's micro-batches, as the loop would cut them in `precision` ("" = train.precision
+    resolved for `device`; bf16 on a CPU rounds their rows, `precision.row_multiple`), collated up front."""
+    multiple = row_multiple(precision or resolve_precision(cfg.train.precision, device), device)
     d = load_corpus(spec["train_dir"])
     t = cfg.train
     rows = np.flatnonzero(batching.keep_mask(d.src_len, d.tgt_len, t.max_len))
@@ -85,7 +91,7 @@ def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device
         for group in batching.plan_epoch(rows, d.src_len, d.tgt_len, t.tokens_per_step, t.seed, epoch):
             split = batching.split_step(group, d.src_len, d.tgt_len, 1, t.max_tokens_per_batch)
             mbs = [to_device(batching.collate(r, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
-                                              mc.pad_id, mc.bos_id, mc.eos_id), device)
+                                              mc.pad_id, mc.bos_id, mc.eos_id, multiple), device)
                    for r in split.for_worker(0)]
             steps.append((mbs, int(batching.target_tokens(d.tgt_len[group]).sum())))
             if len(steps) == t.max_steps:
@@ -140,6 +146,8 @@ def main() -> None:
     p.add_argument("--ray-auto-only", action="store_true", help="D without the 1-CPU run")
     p.add_argument("--precision", default="auto", help="train.precision of A, B and D (auto | bf16 | fp32)")
     p.add_argument("--cpu-bf16", action="store_true", help="E: fp32 vs bf16 bare steps on CPU at two sizes")
+    p.add_argument("--train-dir", default="", help="E: also local mode's real batches: its encode stage's train "
+                   "shards (after `make run ARGS=--to=encode`: work/local/encode/<key>/train)")
     p.add_argument("--convergence", type=int, default=0, metavar="STEPS",
                    help="F: dev loss after STEPS loop steps, fp32 vs bf16 (CPU)")
     args = p.parse_args()
@@ -225,6 +233,7 @@ def ray_main(args) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": results, "best": best, "cpus": cpus}, indent=2))
 
+REAL = "local size, real WMT batches (--train-dir)"
 SIZES = {"local (d_model 128, 2+2, vocab 4000)": dict(d_model=128, layers=2, vocab=4000, tokens_per_step=2500),
          "d_model 256, 3+3, vocab 8000": dict(d_model=256, layers=3, vocab=8000, tokens_per_step=2700)}
 
@@ -244,18 +253,29 @@ def cpu_bf16_main(args) -> None:
     out: dict = {"features": features, "threads": torch.get_num_threads()}
     if args.cpu_bf16:
         out["speed"] = {}
-        print(f"{'bare step, fwd + bwd + Adam':42s}{'fp32 s/step':>12s}{'bf16 s/step':>12s}{'fp32/bf16':>10s}")
-        for label, size in SIZES.items():
+        print(f"{'bare step, fwd + bwd + Adam':44s}{'fp32 s/step':>12s}{'bf16, rows as is':>17s}"
+              f"{'bf16, rows x64':>15s}{'fp32/bf16 x64':>14s}")
+        sizes = dict(SIZES)
+        if args.train_dir:
+            sizes[REAL] = dict(d_model=128, layers=2, vocab=4000, tokens_per_step=2500)  # configs/local.toml
+        for label, size in sizes.items():
             a = argparse.Namespace(**{**vars(args), **size, "max_tokens_per_batch": size["tokens_per_step"]})
             with tempfile.TemporaryDirectory() as tmp:
-                spec, cfg, mc = build(a, Path(tmp))
-                steps = micro_batches(spec, cfg, mc, cpu)
-            run_bare(steps[:2], cfg, mc, cpu, "bf16")  # warm-up (oneDNN kernels of both)
-            run_bare(steps[:2], cfg, mc, cpu, "fp32")
-            best = {p: min(run_bare(steps, cfg, mc, cpu, p)["wall_s"] for _ in range(args.repeats)) / len(steps)
-                    for p in ("fp32", "bf16")}
-            out["speed"][label] = {**best, "ratio": best["fp32"] / best["bf16"]}
-            print(f"{label:42s}{best['fp32']:12.3f}{best['bf16']:12.3f}{best['fp32'] / best['bf16']:9.2f}x")
+                spec, cfg, mc = build(a, Path(tmp), args.train_dir if label == REAL else "")
+                cfg.train.max_len = 128 if label == REAL else cfg.train.max_len  # local.toml's
+                runs = {"fp32": ("fp32", micro_batches(spec, cfg, mc, cpu, "fp32")),
+                        "bf16 as is": ("bf16", micro_batches(spec, cfg, mc, cpu, "fp32")),  # rows not rounded
+                        "bf16 x64": ("bf16", micro_batches(spec, cfg, mc, cpu, "bf16"))}
+            for precision, steps in runs.values():  # warm-up
+                run_bare(steps[:2], cfg, mc, cpu, precision)
+            best: dict[str, float] = {}
+            for _ in range(args.repeats):  # alternate, so background load hits all alike
+                for name, (precision, steps) in runs.items():
+                    best[name] = min(best.get(name, math.inf), run_bare(steps, cfg, mc, cpu, precision)["wall_s"]
+                                     / len(steps))
+            out["speed"][label] = {**best, "ratio": best["fp32"] / best["bf16 x64"]}
+            print(f"{label:44s}{best['fp32']:12.3f}{best['bf16 as is']:17.3f}{best['bf16 x64']:15.3f}"
+                  f"{best['fp32'] / best['bf16 x64']:13.2f}x")
     if args.convergence:
         out["convergence"] = convergence(args, cpu)
     if args.json:

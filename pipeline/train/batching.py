@@ -166,9 +166,10 @@ class Batch:
     num_src_tokens: int  # non-pad source positions
     num_tgt_tokens: int  # non-pad target positions (the loss's denominator counts these)
     # Computed here on the host so the device never has to find them (a sync per lookup):
-    src_index: np.ndarray | None = None  # (num_src_tokens,) flat non-pad positions of src, row-major
-    tgt_index: np.ndarray | None = None  # (num_tgt_tokens,) same for tgt_in and tgt_out (same layout)
-    target: np.ndarray | None = None  # (num_tgt_tokens,) = tgt_out[tgt_out != pad], row-major
+    # Flat non-pad positions, row-major, then (collate's `row_multiple`) a few pad positions:
+    src_index: np.ndarray | None = None  # (>= num_src_tokens,) of src
+    tgt_index: np.ndarray | None = None  # (>= num_tgt_tokens,) of tgt_in and tgt_out (same layout)
+    target: np.ndarray | None = None  # tgt_out at tgt_index (pad at the added positions)
 
 
 def _gather(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray
@@ -183,30 +184,54 @@ def _gather(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray
 
 
 def collate(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, tgt_values: np.ndarray,
-            tgt_offsets: np.ndarray, pad_id: int, bos_id: int, eos_id: int) -> Batch:
-    """Padded source, decoder input and target for `rows` of flattened id lists."""
+            tgt_offsets: np.ndarray, pad_id: int, bos_id: int, eos_id: int, row_multiple: int = 1) -> Batch:
+    """Padded source, decoder input and target for `rows` of flattened id lists.
+
+    `row_multiple` > 1 rounds the number of positions the model computes (`src_index`,
+    `tgt_index`) up to a multiple of it by adding pad positions (widening the batch if it has too
+    few): their target is pad, so the loss ignores them, and no real position attends to them (pad
+    keys are masked in the source; in the target they sit after every real query). Why: oneDNN
+    builds a bf16 GEMM kernel per shape, and without rounding every micro-batch of a CPU bf16 run
+    has new shapes (docs/benchmarks.md, "bf16 on CPU")."""
     B, every = len(rows), np.arange(len(rows))
     s_lens, s_pieces, s_row, s_col = _gather(src_values, src_offsets, rows)
-    src = np.full((B, int(s_lens.max(initial=0)) + 1), pad_id, dtype=np.int64)  # pieces + [eos]
+    s_width = _width(s_lens + 1, row_multiple)
+    src = np.full((B, s_width), pad_id, dtype=np.int64)  # pieces + [eos]
     src[s_row, s_col] = s_pieces
     src[every, s_lens] = eos_id
     t_lens, t_pieces, t_row, t_col = _gather(tgt_values, tgt_offsets, rows)
-    width = int(t_lens.max(initial=0)) + 1
+    width = _width(t_lens + 1, row_multiple)
     tgt_in = np.full((B, width), pad_id, dtype=np.int64)  # [bos] + pieces
     tgt_in[:, 0] = bos_id
     tgt_in[t_row, t_col + 1] = t_pieces
     tgt_out = np.full((B, width), pad_id, dtype=np.int64)  # pieces + [eos]
     tgt_out[t_row, t_col] = t_pieces
     tgt_out[every, t_lens] = eos_id
-    src_index = _prefix_positions(s_lens + 1, src.shape[1])
-    tgt_index = _prefix_positions(t_lens + 1, width)
+    src_index = _prefix_positions(s_lens + 1, s_width, row_multiple)
+    tgt_index = _prefix_positions(t_lens + 1, width, row_multiple)
     target = tgt_out.reshape(-1)[tgt_index]
-    return Batch(src, tgt_in, tgt_out, len(src_index), len(tgt_index), src_index, tgt_index, target)
+    return Batch(src, tgt_in, tgt_out, int(s_lens.sum()) + B, int(t_lens.sum()) + B, src_index, tgt_index, target)
 
 
-def _prefix_positions(lens: np.ndarray, width: int) -> np.ndarray:
-    """Flat positions r * width + c, c < lens[r], of rows whose first lens[r] columns are real."""
+def _width(lens: np.ndarray, row_multiple: int) -> int:
+    """The padded width of rows of `lens`: the longest, widened (by whole columns) until the
+    batch has enough pad positions to round its real positions up to `row_multiple`."""
+    width, total = int(lens.max(initial=1)), int(lens.sum())
+    if len(lens):
+        width = max(width, -(-(total + -total % row_multiple) // len(lens)))  # ceil((total + need) / B)
+    return width
+
+
+def _prefix_positions(lens: np.ndarray, width: int, row_multiple: int = 1) -> np.ndarray:
+    """Flat positions r * width + c, c < lens[r], of rows whose first lens[r] columns are real,
+    then as many of the first pad positions (row-major) as round the count up to `row_multiple`."""
     starts = np.arange(len(lens), dtype=np.int64) * width
     total = int(lens.sum())
     within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
-    return np.repeat(starts, lens) + within
+    real = np.repeat(starts, lens) + within
+    need = -total % row_multiple
+    if not need:
+        return real
+    free = np.ones(len(lens) * width, dtype=bool)
+    free[real] = False
+    return np.concatenate([real, np.flatnonzero(free)[:need]])

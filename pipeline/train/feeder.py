@@ -22,12 +22,13 @@ HostBatches = tuple[list[MicroBatch], int, int]  # micro-batches, step target to
 
 
 class HostBatcher:
-    """This worker's micro-batches of one step (`rank` of `world`), under `max_tokens` padded tokens each."""
+    """This worker's micro-batches of one step (`rank` of `world`), under `max_tokens` padded tokens
+    each; `row_multiple`: see `batching.collate` (`precision.row_multiple`)."""
 
     def __init__(self, data: Corpus, mcfg: ModelConfig, rank: int, world: int, max_tokens: int,
-                 device: torch.device):
+                 device: torch.device, row_multiple: int = 1):
         self.data, self.mcfg, self.rank, self.world = data, mcfg, rank, world
-        self.max_tokens, self.device = max_tokens, device
+        self.max_tokens, self.device, self.row_multiple = max_tokens, device, row_multiple
 
     def __call__(self, group: np.ndarray) -> HostBatches:
         d, m = self.data, self.mcfg
@@ -39,7 +40,7 @@ class HostBatcher:
             weight = 1.0 if len(rows) else 0.0  # no rows left for this worker: a zero-weight stand-in
             rows = rows if len(rows) else group[:1]
             b = batching.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
-                                 m.pad_id, m.bos_id, m.eos_id)
+                                 m.pad_id, m.bos_id, m.eos_id, self.row_multiple)
             micro.append(pin(b, self.device, weight))
         return micro, step_tgt, step_src
 

@@ -41,6 +41,7 @@ from pipeline.train.corpus import load_corpus, load_shared_corpus
 from pipeline.train.feeder import Feeder, HostBatcher, HostBatches
 from pipeline.train.metrics import TrainLog, Window
 from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
+from pipeline.train.precision import row_multiple
 from pipeline.train.step import (accumulate_gradients, distributed, optimizer_step, resolve_precision, step_seed,
                                  upload)
 from pipeline.train.validate import Validator
@@ -135,7 +136,7 @@ class Trainer:
                      self.precision, len(self.rows), self.num_dropped, tc.max_len, len(plan), p.epoch)
         window, t_attempt, time_base = Window(), time.perf_counter(), p.train_time_s
         feeder = Feeder(HostBatcher(self.train_data, self.mcfg, self.rank, self.world, tc.max_tokens_per_batch,
-                                    self.device), prefetch=tc.prefetch)
+                                    self.device, row_multiple(self.precision, self.device)), prefetch=tc.prefetch)
         notice = preemption.Agreement(tc.preemption_grace_s, self.rank, self.world) if tc.preemption_grace_s else None
         try:
             while p.step < tc.max_steps:

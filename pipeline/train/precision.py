@@ -69,6 +69,15 @@ def resolve_precision(requested: str, device: torch.device) -> str:
     return "bf16" if features else "fp32"
 
 
+def row_multiple(precision: str, device: torch.device) -> int:
+    """What a training micro-batch's computed positions are rounded up to (`batching.collate`):
+    64 for bf16 on a CPU, else 1. oneDNN builds (JIT-compiles) a bf16 GEMM kernel per shape and
+    keeps ~1024 of them; token-bucketed batches have new shapes every step, so unrounded, local
+    mode's real batches spent the bf16 gain building kernels (0.99x fp32; 1.1-1.2x rounded to
+    64, docs/benchmarks.md). fp32 GEMMs (MKL) and GPUs pay nothing per shape."""
+    return 64 if precision == "bf16" and device.type == "cpu" else 1
+
+
 def describe(requested: str, device: torch.device) -> str:
     """One log line: what `requested` resolves to on `device`, and why (raises as resolve_precision)."""
     chosen = resolve_precision(requested, device)

@@ -41,9 +41,11 @@ def session_pids(sid: int) -> list[int]:
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """SIGTERM the process's session, then SIGKILL what is left of it."""
+    """SIGTERM the process's session, then SIGKILL what is left of it after `timeout_s`;
+    `timeout_s=0`: SIGKILL at once (a node or server lost without notice: a SIGTERM first would let
+    it shut down in order, or reach a Ray Train worker's preemption handler, racing the kill)."""
     sid = proc.pid
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig in (signal.SIGTERM, signal.SIGKILL) if timeout_s > 0 else (signal.SIGKILL,):
         pids = session_pids(sid)
         if not pids:
             break

@@ -124,3 +124,30 @@ def test_collate_adds_specials_and_pads():
     assert b.tgt_out.tolist() == [[21, 22, 23, 3], [20, 3, 0, 0]]
     assert (b.num_src_tokens, b.num_tgt_tokens) == (5, 6)
     assert b.src.dtype == np.int64
+
+
+def _ragged(rng: np.random.Generator, n: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    lens = rng.integers(0, hi, size=n)
+    return rng.integers(4, 50, size=int(lens.sum())).astype(np.int32), np.concatenate([[0], np.cumsum(lens)])
+
+
+@pytest.mark.parametrize("multiple", [8, 64])
+def test_collate_rounds_the_computed_positions_up_with_pad_positions(multiple):
+    rng = np.random.default_rng(multiple)
+    for _ in range(300):
+        n = int(rng.integers(1, 7))
+        (sv, so), (tv, to) = _ragged(rng, n, 9), _ragged(rng, n, 9)
+        rows = rng.permutation(n)
+        plain = batching.collate(rows, sv, so, tv, to, pad_id=0, bos_id=2, eos_id=3)
+        b = batching.collate(rows, sv, so, tv, to, pad_id=0, bos_id=2, eos_id=3, row_multiple=multiple)
+        for index, ids, real in ((b.src_index, b.src, plain.num_src_tokens), (b.tgt_index, b.tgt_in, plain.num_tgt_tokens)):
+            assert len(index) % multiple == 0 and len(index) - real < multiple
+            assert len(np.unique(index)) == len(index)
+            flat = ids.reshape(-1)[index]
+            assert (flat[:real] != 0).all() and (flat[real:] == 0).all()  # the real positions, then pads
+        # The same sentences, padded further to the right (whole columns) only when it had too few pads.
+        for wide, narrow in ((b.src, plain.src), (b.tgt_in, plain.tgt_in), (b.tgt_out, plain.tgt_out)):
+            assert (wide[:, :narrow.shape[1]] == narrow).all() and (wide[:, narrow.shape[1]:] == 0).all()
+        assert b.target[:plain.num_tgt_tokens].tolist() == plain.target.tolist()
+        assert (b.target[plain.num_tgt_tokens:] == 0).all()
+        assert (b.num_src_tokens, b.num_tgt_tokens) == (plain.num_src_tokens, plain.num_tgt_tokens)

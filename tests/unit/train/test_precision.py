@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.config import Config, ConfigError
-from pipeline.train import precision
+from pipeline.train import batching, precision
 from pipeline.train.loop import LocalSession, train_worker
 from pipeline.train.precision import describe, resolve_precision
 from pipeline.train.synthetic import write_reverse_task
@@ -70,11 +70,25 @@ def test_probes_agree_with_the_kernels_cpu_flags():
 @pytest.mark.slow
 def test_a_bf16_cpu_run_is_autocast_and_tracks_fp32(tmp_path, monkeypatch):
     _cpu(monkeypatch, True, False)  # as on a bf16 CPU (emulated elsewhere: slower, same numbers)
+    multiples: list[int] = []  # what the loop asks collate for: rows rounded to 64 in bf16 only
+    collate = batching.collate
+    monkeypatch.setattr(batching, "collate", lambda *a, **kw: multiples.append(a[8] if len(a) > 8 else
+                                                                                kw.get("row_multiple", 1))
+                        or collate(*a, **kw))
     shards = (write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0),
               write_reverse_task(tmp_path / "dev", 40, VOCAB, seed=1))
     fp32 = train_worker(tiny_spec(shards, max_steps=6), LocalSession(tmp_path / "a"))
+    assert set(multiples) == {1}
+    multiples.clear()
     auto = train_worker(tiny_spec(shards, max_steps=6, precision="auto"), LocalSession(tmp_path / "b"))
     assert fp32["precision"] == "fp32" and auto["precision"] == "bf16"
+    assert multiples.count(64) >= 6  # every training micro-batch (validation keeps its whole batches)
     a, b = [h[1] for h in fp32["history_train"]], [h[1] for h in auto["history_train"]]
     assert a != b  # bf16 matmuls round differently: autocast is on
     assert max(abs(x - y) / x for x, y in zip(a, b)) < 0.02  # but only by rounding
+
+
+def test_only_bf16_on_a_cpu_rounds_the_rows():
+    assert precision.row_multiple("bf16", CPU) == 64
+    assert precision.row_multiple("fp32", CPU) == 1
+    assert precision.row_multiple("bf16", torch.device("cuda")) == 1
