@@ -17,11 +17,10 @@
 
     python benchmarks/elastic_bench.py --json elastic.json
 
-Model: --d-model 256, 3+3 layers, --tokens-per-step 600 by default, not base size: on this
-machine's 2 shared CPU cores a base step (d_model 512, 6+6 layers) at even 1000 tokens takes ~5 s
-and its checkpoint is ~0.5 GB, so a run with two restarts would not fit in minutes. What the
-figures are made of (Ray's detection and restart, a checkpoint's load, MLflow's retries) is stated
-next to them in docs/benchmarks.md.
+Model: --d-model 256, 3+3 layers, --tokens-per-step 600 by default (minutes on 2 CPU cores); base
+size (its checkpoint, ~0.75 GB with Adam's moments, is what a restart loads) with
+`--d-model 512 --layers 6 --vocab 37000`. What the figures are made of (Ray's detection and
+restart, a checkpoint's load, MLflow's retries) is stated next to them in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -48,10 +47,10 @@ from pipeline.train import stage as train
 from pipeline.config import load_config
 from pipeline.stage import Manifest, StageContext
 
-overrides, out_dir, shards, repo, run = json.loads(sys.argv[1]), *sys.argv[2:6]
+overrides, out_dir, shards, repo, run, vocab_size = json.loads(sys.argv[1]), *sys.argv[2:6], int(sys.argv[6])
 cfg = load_config(None, overrides)
 ray.init(address=cfg.run.ray_address, runtime_env={"env_vars": {"PYTHONPATH": repo}}, log_to_driver=False)
-vocab = {"vocab_size": 1004, "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
+vocab = {"vocab_size": vocab_size, "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
 inputs = {"encode": Manifest("encode", "k", "", {"splits": {"train": {"dir": shards}}}),
           "vocab": Manifest("vocab", "k", "", vocab)}
 print("RESULT " + json.dumps(train.run(StageContext("train", run, cfg, out_dir, inputs)).outputs))
@@ -135,7 +134,7 @@ def cluster_part(a: argparse.Namespace, shards: Path, work: Path) -> dict[str, A
     env = {**os.environ, "TRANSFORMER_REPRO_SESSION_WRAPPER": f"benchmarks.elastic_bench:stamp:{stamps}",
            "PYTHONPATH": str(REPO)}
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(overrides), str(work / "wd/train" / run),
-                               str(shards), str(REPO), run], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               str(shards), str(REPO), run, str(a.vocab)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=open(work / "driver.log", "w"), text=True)
     run_dir = work / "wd/ray_train" / run
     try:
@@ -195,7 +194,7 @@ def outage_part(a: argparse.Namespace, shards: Path, work: Path, buffered: bool)
     cfg = load_config(None, [f"--train.max_steps={10**6}", "--train.log_interval_steps=2",
                              "--train.checkpoint_interval_steps=1000000", "--train.eval_interval_steps=1000000",
                              *model_args(a)])
-    mc = ModelConfig(vocab_size=1004, d_model=a.d_model, d_ff=4 * a.d_model, n_heads=a.d_model // 64,
+    mc = ModelConfig(vocab_size=a.vocab, d_model=a.d_model, d_ff=4 * a.d_model, n_heads=a.d_model // 64,
                      n_encoder_layers=a.layers, n_decoder_layers=a.layers, max_positions=256)
     server = MlflowServer(work / ("mlflow-buffered" if buffered else "mlflow-sync"))
     original = metrics._make_tracker
@@ -242,6 +241,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=50_000)
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--vocab", type=int, default=1004,
+                    help="the model's vocabulary (the corpus uses ids < 1004); base: 37000")
     ap.add_argument("--tokens-per-step", type=int, default=600)
     ap.add_argument("--max-steps", type=int, default=60)
     ap.add_argument("--outage-s", type=float, default=25.0)
@@ -256,7 +257,8 @@ def main() -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     shards = scale_bench.write_corpus(work / f"corpus-{a.pairs}", a.pairs, scale_bench.mirror_lengths(Path(a.mirror)))
-    result: dict[str, Any] = {"model": {"d_model": a.d_model, "layers": a.layers, "tokens_per_step": a.tokens_per_step}}
+    result: dict[str, Any] = {"model": {"d_model": a.d_model, "layers": a.layers, "vocab": a.vocab,
+                                        "tokens_per_step": a.tokens_per_step}}
     if "cluster" in a.parts:
         result["cluster"] = cluster_part(a, shards, Path(tempfile.mkdtemp(dir=work, prefix="cluster-")))
         print(json.dumps(result["cluster"], indent=1), flush=True)

@@ -27,7 +27,7 @@ SENTENCES = 60
 DATA = ["--config", "configs/local.toml", "--data.max_pairs_per_corpus=1500", "--data.num_shards=2",
         "--vocab.size=600", "--vocab.sample_sentences=6000"]
 TRAIN = ["--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2", "--model.n_encoder_layers=1",
-         "--model.n_decoder_layers=1", "--model.max_positions=256", "--train.num_workers=1",
+         "--model.n_decoder_layers=1", "--model.max_positions=256", "--train.num_workers=1", "--train.precision=fp32",
          "--train.max_steps=200", "--train.warmup_steps=100", "--train.tokens_per_step=1500",
          "--train.max_tokens_per_batch=1500", "--train.checkpoint_interval_steps=40",
          "--train.eval_interval_steps=40", "--train.log_interval_steps=10", "--train.keep_checkpoints=10",
@@ -64,7 +64,9 @@ def test_dev_bleu_is_logged_while_training_and_matches_the_translate_cli(work, m
     last_loss = max(client.get_metric_history(run.info.run_id, "train/loss"), key=lambda m: m.step)
     assert last_loss.step == 200
     during = [s for s, m in bleu.items() if m.timestamp < last_loss.timestamp]
-    assert len(during) >= 2 and set(during) <= {40, 80, 120, 160}, (sorted(bleu), last_loss)
+    # Logged while the loop went on (how many depends on the machine's speed: a validation that starts
+    # after a newer checkpoint is registered skips to it), and at two checkpoints at least.
+    assert len(during) >= 1 and set(during) <= {40, 80, 120, 160} and len(bleu) >= 2, (sorted(bleu), last_loss)
     dev = train.outputs["dev_bleu"]
     assert dev["num_validated"] == len(bleu) and dev["num_failed"] == 0
     assert dev["num_validated"] + dev["num_skipped"] == 5  # every checkpoint: scored, or skipped for a newer one
@@ -76,7 +78,7 @@ def test_dev_bleu_is_logged_while_training_and_matches_the_translate_cli(work, m
     ref.write_text("".join(f"{t}\n" for t in split["tgt"]), encoding="utf-8")
     cfg = load_config([REPO / "configs/local.toml"])
     spm = _manifest(work, "vocab").outputs["model"]
-    for step in during[:2]:
+    for step in sorted(bleu)[:2]:
         checkpoint = Path(train.outputs["storage_path"]) / train.key / f"checkpoint_{step:07d}"
         hyps = subprocess.run(
             [sys.executable, "-m", "pipeline.evaluate.translate", "--model-dir", str(checkpoint), "--spm", spm,

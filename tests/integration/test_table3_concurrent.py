@@ -1,10 +1,15 @@
-"""workflows/reproduce_table3.py on a two-node Ray cluster: rows side by side, a failed row, a rerun.
+"""workflows/reproduce_table3.py on a two-node Ray cluster: rows side by side, a failed row, a rerun,
+one table.
 
-A head and a worker node (2 CPUs each) on 127.0.0.1; rows B1 and E of the tiny Table 3 setup of
-test_table3_runner.py with ``--max-concurrent-rows 2``: each row's training takes one node's CPUs,
-so the two train stages run at the same time (their MLflow runs' start/end times overlap). Row
-E's `average` stage is made to fail (in the driver process, below): B1 still finishes, the table
-marks E failed with the reason, and the same command run again runs only E's unfinished stages.
+A head and a worker node (2 CPUs each) on 127.0.0.1; rows B1 (d_k = 16 < d_v = 32 at this size) and
+E (learned positions) of Table 3 on configs/local.toml at tiny sizes, with
+``--max-concurrent-rows 2``: the data stages run once, first, and are shared; each row's training
+takes one node's CPUs, so the two train stages run at the same time (their MLflow runs' start/end
+times overlap). Row E's `average` stage is made to fail (in the driver process, below): B1 still
+finishes, the table marks E failed with the reason, and the same command run again runs only E's
+unfinished stages; then both rows are in one table beside the paper's numbers, and a third row
+added afterwards plans only its own training and evaluation. (One row at a time, the default in
+local mode: tests/unit/core/test_table3_sweep.py.)
 
 The driver runs in a subprocess so that its Ray connection never mixes with a Ray that other
 tests of the session started in the pytest process.
@@ -20,8 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_table3_runner import SIZES
+from tests.integration.test_end_to_end import TINY
 from tests.support.procs import RayHead, stop
+from workflows import reproduce_table3
+from workflows.reproduce_table3 import PAPER
+
+# TINY at d_model 64 (2 heads: d / h = 32) so that B1's d_k = 16 differs from d_v; Table 3's rows
+# score the dev set (their files set eval.splits = ["dev"]).
+SIZES = [a for a in TINY if not a.startswith(("--model.d_model", "--model.d_ff", "--eval.max_sentences",
+                                              "--train.max_steps"))]
+SIZES += ["--model.d_model=64", "--model.d_ff=128", "--eval.max_sentences=60", "--train.max_steps=16"]
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = r"""
@@ -47,7 +60,7 @@ def drive(argv: list[str], fail_row: str, log: Path) -> int:
 
 
 @pytest.mark.slow
-def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_dir, monkeypatch):
+def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_dir, monkeypatch, capsys):
     from mlflow import MlflowClient
 
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # as cluster.yaml starts a cluster (and test_cluster_train.py)
@@ -69,6 +82,7 @@ def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_di
     assert rc == 1, log1[-4000:]
     b1, e = first
     assert b1["status"] == "done" and b1["train_steps"] == 16 and 0.0 <= b1["bleu_dev"] <= 100.0
+    assert set(b1["ran"]) == {"train", "average", "export", "translate", "score", "register"}
     assert e["status"] == "failed" and e["failed_stage"] == "average" and e["bleu_dev"] is None
     assert e["error"] == "RuntimeError: injected failure in row E's average stage"
     e_line = next(x for x in table.splitlines() if x.startswith("| E |"))
@@ -107,3 +121,33 @@ def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_di
     assert b1["status"] == e["status"] == "done" and b1["ran"] == []
     assert e["ran"] == ["average", "export", "register", "score", "translate"]  # its training was done: cached
     assert e["ppl_dev"] > 1.0 and 0.0 <= e["bleu_dev"] <= 100.0
+
+    # One table: the data stages ran once (one key each); each row trained its own model.
+    for stage in ("download", "prepare", "vocab", "encode"):
+        assert len(list((work / stage).glob("*/_manifest.json"))) == 1, stage
+    assert b1["train_key"] != e["train_key"] and b1["train_steps"] == e["train_steps"] == 16
+    # Marian cannot hold B1's d_k nor E's learned positions: export says so instead of writing folders.
+    reasons = sorted(json.loads(m.read_text())["outputs"]["not_exported"] for m in (work / "export").glob("*/_manifest.json"))
+    assert len(reasons) == 2 and "d_k/d_v" in reasons[0] and "learned" in reasons[1]
+    for r in (b1, e):
+        assert r["ppl_dev"] > 1.0 and 0.0 <= r["bleu_dev"] <= 100.0 and r["bleu_metric"] == "bleu_tok_cs"
+    # E's learned table adds max_positions x d_model; B1's W_Q and W_K are h x d_k = 2 x 16 wide instead
+    # of 2 x 32: 2 matrices x (64 x 32 weights + 32 biases) less in each of the 3 attention blocks.
+    assert e["params"] - b1["params"] == 256 * 64 + 3 * 2 * (64 * 32 + 32)
+    table = (work / "table3" / "table3.md").read_text()
+    assert table in log2
+    for row in ("B1", "E"):
+        line = next(x for x in table.splitlines() if x.startswith(f"| {row} |"))
+        assert f"| {PAPER[row][1]:.2f} |" in line and f"| {PAPER[row][2]:.1f} |" in line  # the paper's columns
+    assert "Partial dev set" in table
+
+    # Adding a row: only its training and evaluation are new (a plan starts no Ray).
+    monkeypatch.chdir(REPO)
+    assert reproduce_table3.main(["--rows", "B1,E,D3", "--plan", *argv[4:]]) == 0
+    plan = capsys.readouterr().out
+    d3 = plan.split("row D3")[1]
+    actions = {line.split()[0]: line.split()[2] for line in d3.splitlines()[1:] if len(line.split()) > 2
+               and line.split()[0] in ("download", "prepare", "vocab", "encode", "train", "score")}
+    assert actions == {"download": "cached", "prepare": "cached", "vocab": "cached", "encode": "cached",
+                       "train": "run", "score": "run"}, d3
+    assert "run " not in plan.split("row D3")[0].split("row E")[1]  # E is fully cached
