@@ -91,7 +91,7 @@ def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device
         for group in batching.plan_epoch(rows, d.src_len, d.tgt_len, t.tokens_per_step, t.seed, epoch):
             split = batching.split_step(group, d.src_len, d.tgt_len, 1, t.max_tokens_per_batch)
             mbs = [to_device(batching.collate(r, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
-                                              mc.pad_id, mc.bos_id, mc.eos_id, multiple), device)
+                                              mc.pad_id, mc.bos_id, mc.eos_id, multiple, mc.max_positions), device)
                    for r in split.for_worker(0)]
             steps.append((mbs, int(batching.target_tokens(d.tgt_len[group]).sum())))
             if len(steps) == t.max_steps:

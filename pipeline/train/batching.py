@@ -184,23 +184,26 @@ def _gather(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray
 
 
 def collate(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, tgt_values: np.ndarray,
-            tgt_offsets: np.ndarray, pad_id: int, bos_id: int, eos_id: int, row_multiple: int = 1) -> Batch:
+            tgt_offsets: np.ndarray, pad_id: int, bos_id: int, eos_id: int, row_multiple: int = 1,
+            max_width: int = 0) -> Batch:
     """Padded source, decoder input and target for `rows` of flattened id lists.
 
     `row_multiple` > 1 rounds the number of positions the model computes (`src_index`,
     `tgt_index`) up to a multiple of it by adding pad positions (widening the batch if it has too
-    few): their target is pad, so the loss ignores them, and no real position attends to them (pad
-    keys are masked in the source; in the target they sit after every real query). Why: oneDNN
+    few, but never past `max_width` columns (the model's positions; 0 = no limit): where that
+    leaves too few pads the count stays unrounded). Their target is pad, so the loss ignores them,
+    and no real position attends to them (pad keys are masked in the source; in the target they
+    sit after every real query). Why: oneDNN
     builds a bf16 GEMM kernel per shape, and without rounding every micro-batch of a CPU bf16 run
     has new shapes (docs/benchmarks.md, "bf16 on CPU")."""
     B, every = len(rows), np.arange(len(rows))
     s_lens, s_pieces, s_row, s_col = _gather(src_values, src_offsets, rows)
-    s_width = _width(s_lens + 1, row_multiple)
+    s_width = _width(s_lens + 1, row_multiple, max_width)
     src = np.full((B, s_width), pad_id, dtype=np.int64)  # pieces + [eos]
     src[s_row, s_col] = s_pieces
     src[every, s_lens] = eos_id
     t_lens, t_pieces, t_row, t_col = _gather(tgt_values, tgt_offsets, rows)
-    width = _width(t_lens + 1, row_multiple)
+    width = _width(t_lens + 1, row_multiple, max_width)
     tgt_in = np.full((B, width), pad_id, dtype=np.int64)  # [bos] + pieces
     tgt_in[:, 0] = bos_id
     tgt_in[t_row, t_col + 1] = t_pieces
@@ -213,13 +216,15 @@ def collate(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, t
     return Batch(src, tgt_in, tgt_out, int(s_lens.sum()) + B, int(t_lens.sum()) + B, src_index, tgt_index, target)
 
 
-def _width(lens: np.ndarray, row_multiple: int) -> int:
-    """The padded width of rows of `lens`: the longest, widened (by whole columns) until the
-    batch has enough pad positions to round its real positions up to `row_multiple`."""
-    width, total = int(lens.max(initial=1)), int(lens.sum())
-    if len(lens):
-        width = max(width, -(-(total + -total % row_multiple) // len(lens)))  # ceil((total + need) / B)
-    return width
+def _width(lens: np.ndarray, row_multiple: int, max_width: int = 0) -> int:
+    """The padded width of rows of `lens`: the longest, widened (by whole columns, up to
+    `max_width` if > 0) until the batch has enough pad positions to round its real positions up
+    to `row_multiple`."""
+    longest, total = int(lens.max(initial=1)), int(lens.sum())
+    if not len(lens):
+        return longest
+    wanted = -(-(total + -total % row_multiple) // len(lens))  # ceil((total + need) / B)
+    return max(longest, min(wanted, max_width) if max_width > 0 else wanted)
 
 
 def _prefix_positions(lens: np.ndarray, width: int, row_multiple: int = 1) -> np.ndarray:

@@ -40,7 +40,7 @@ class HostBatcher:
             weight = 1.0 if len(rows) else 0.0  # no rows left for this worker: a zero-weight stand-in
             rows = rows if len(rows) else group[:1]
             b = batching.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
-                                 m.pad_id, m.bos_id, m.eos_id, self.row_multiple)
+                                 m.pad_id, m.bos_id, m.eos_id, self.row_multiple, m.max_positions)
             micro.append(pin(b, self.device, weight))
         return micro, step_tgt, step_src
 

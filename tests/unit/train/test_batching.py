@@ -151,3 +151,14 @@ def test_collate_rounds_the_computed_positions_up_with_pad_positions(multiple):
         assert b.target[:plain.num_tgt_tokens].tolist() == plain.target.tolist()
         assert (b.target[plain.num_tgt_tokens:] == 0).all()
         assert (b.num_src_tokens, b.num_tgt_tokens) == (plain.num_src_tokens, plain.num_tgt_tokens)
+
+
+def test_rounding_never_widens_past_the_models_positions():
+    # One row of 6 source pieces (+ eos = 7 positions): rounding to 64 would need 57 more columns.
+    values, offsets = np.arange(4, 10, dtype=np.int32), np.array([0, 6])
+    b = batching.collate(np.array([0]), values, offsets, values, offsets, 0, 2, 3, row_multiple=64, max_width=16)
+    assert b.src.shape == b.tgt_in.shape == (1, 16)
+    assert len(b.src_index) == len(b.tgt_index) == 16  # as many as fit: 7 real + 9 pad, unrounded
+    assert (b.src.reshape(-1)[b.src_index[7:]] == 0).all() and (b.target[7:] == 0).all()
+    longer = batching.collate(np.array([0]), values, offsets, values, offsets, 0, 2, 3, row_multiple=64, max_width=4)
+    assert longer.src.shape == (1, 7) and len(longer.src_index) == 7  # never narrower than the sentence
