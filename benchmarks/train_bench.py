@@ -79,10 +79,10 @@ def run_loop(spec: dict, work: Path, device: str) -> dict:
             "tgt_tokens_per_s": out["tokens_seen"]["tgt"] / wall}
 
 
-def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device, precision: str = ""):
-    """Every step's micro-batches, as the loop would cut them in `precision` ("" = train.precision
-    resolved for `device`; bf16 on a CPU rounds their rows, `precision.row_multiple`), collated up front."""
-    multiple = row_multiple(precision or resolve_precision(cfg.train.precision, device), device)
+def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device, multiple: int = 0):
+    """Every step's micro-batches, as the loop would cut them, collated up front; their rows rounded
+    up to `multiple` (0 = as the loop does in train.precision on `device`: `precision.row_multiple`)."""
+    multiple = multiple or row_multiple(resolve_precision(cfg.train.precision, device), device)
     d = load_corpus(spec["train_dir"])
     t = cfg.train
     rows = np.flatnonzero(batching.keep_mask(d.src_len, d.tgt_len, t.max_len))
@@ -263,9 +263,8 @@ def cpu_bf16_main(args) -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 spec, cfg, mc = build(a, Path(tmp), args.train_dir if label == REAL else "")
                 cfg.train.max_len = 128 if label == REAL else cfg.train.max_len  # local.toml's
-                runs = {"fp32": ("fp32", micro_batches(spec, cfg, mc, cpu, "fp32")),
-                        "bf16 as is": ("bf16", micro_batches(spec, cfg, mc, cpu, "fp32")),  # rows not rounded
-                        "bf16 x64": ("bf16", micro_batches(spec, cfg, mc, cpu, "bf16"))}
+                as_is, x64 = micro_batches(spec, cfg, mc, cpu, 1), micro_batches(spec, cfg, mc, cpu, 64)
+                runs = {"fp32": ("fp32", as_is), "bf16 as is": ("bf16", as_is), "bf16 x64": ("bf16", x64)}
             for precision, steps in runs.values():  # warm-up
                 run_bare(steps[:2], cfg, mc, cpu, precision)
             best: dict[str, float] = {}

@@ -41,9 +41,8 @@ from pipeline.train.corpus import load_corpus, load_shared_corpus
 from pipeline.train.feeder import Feeder, HostBatcher, HostBatches
 from pipeline.train.metrics import TrainLog, Window
 from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
-from pipeline.train.precision import row_multiple
-from pipeline.train.step import (accumulate_gradients, distributed, optimizer_step, resolve_precision, step_seed,
-                                 upload)
+from pipeline.train.precision import resolve_precision, row_multiple
+from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, step_seed, upload
 from pipeline.train.validate import Validator
 
 log = logging.getLogger(__name__)

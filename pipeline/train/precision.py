@@ -3,8 +3,9 @@
 "auto" (the default) = bf16 autocast where the device does bf16 natively, fp32 otherwise:
 - CUDA: bf16 when `torch.cuda.is_bf16_supported()` (Ampere and later), else fp16 with a
   GradScaler (what "bf16" has always fallen back to on such GPUs);
-- CPU: bf16 when the CPU has AVX512-BF16 or AMX instructions (oneDNN then runs bf16 matmuls at
-  about twice the fp32 rate: 1.76x measured for a d_model-256 step, docs/benchmarks.md), else fp32.
+- CPU: bf16 when the CPU has AVX512-BF16 or AMX instructions (oneDNN's bf16 matmuls: a training
+  step 1.4-1.6x faster at d_model 256, 1.17x on local mode's real batches; docs/benchmarks.md),
+  else fp32.
 
 "bf16" asked for on a CPU without those instructions is an error (emulated bf16 is slower than
 fp32 there, and silently training in another precision than asked is worse); so is "fp16" on a
@@ -73,8 +74,8 @@ def row_multiple(precision: str, device: torch.device) -> int:
     """What a training micro-batch's computed positions are rounded up to (`batching.collate`):
     64 for bf16 on a CPU, else 1. oneDNN builds (JIT-compiles) a bf16 GEMM kernel per shape and
     keeps ~1024 of them; token-bucketed batches have new shapes every step, so unrounded, local
-    mode's real batches spent the bf16 gain building kernels (0.99x fp32; 1.1-1.2x rounded to
-    64, docs/benchmarks.md). fp32 GEMMs (MKL) and GPUs pay nothing per shape."""
+    mode's real batches spent the bf16 gain building kernels (0.95x fp32; 1.17x rounded to 64,
+    docs/benchmarks.md). fp32 GEMMs (MKL) and GPUs pay nothing per shape."""
     return 64 if precision == "bf16" and device.type == "cpu" else 1
 
 

@@ -15,7 +15,6 @@ step's target-token count, is known to every worker from the global batch plan
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
@@ -25,9 +24,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import label_smoothed_nll
 from pipeline.train import batching
-from pipeline.train.precision import resolve_precision  # noqa: F401 (the loop's import)
-
-log = logging.getLogger(__name__)
 
 
 def step_seed(seed: int, rank: int, step: int) -> int:

@@ -68,8 +68,9 @@ def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_di
     work = tmp_path / "work"
     head = RayHead(tmp_path, num_cpus=2)
     worker = head.add_worker(num_cpus=2)
-    argv = ["--rows", "B1,E", "--max-concurrent-rows", "2", "--config", "configs/local.toml",
-            f"--run.work_dir={work}", f"--data.mirror={mirror_dir}", f"--run.ray_address={head.address}", *SIZES]
+    common = ["--config", "configs/local.toml", f"--run.work_dir={work}", f"--data.mirror={mirror_dir}",
+              f"--run.ray_address={head.address}", *SIZES]
+    argv = ["--rows", "B1,E", "--max-concurrent-rows", "2", *common]
     try:
         rc = drive(argv, "E", tmp_path / "driver-1.log")
         first = json.loads((work / "table3" / "table3.json").read_text())
@@ -143,7 +144,7 @@ def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_di
 
     # Adding a row: only its training and evaluation are new (a plan starts no Ray).
     monkeypatch.chdir(REPO)
-    assert reproduce_table3.main(["--rows", "B1,E,D3", "--plan", *argv[4:]]) == 0
+    assert reproduce_table3.main(["--rows", "B1,E,D3", "--plan", *common]) == 0
     plan = capsys.readouterr().out
     d3 = plan.split("row D3")[1]
     actions = {line.split()[0]: line.split()[2] for line in d3.splitlines()[1:] if len(line.split()) > 2
