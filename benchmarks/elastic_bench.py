@@ -97,14 +97,6 @@ def registered_step(run_dir: Path) -> int:
     return max(map(int, re.findall(r"checkpoint_(\d+)", latest)), default=0)
 
 
-def wait(what: str, cond: Any, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{what}: the driver ended or {timeout_s} s passed")
-        time.sleep(0.05)
-
-
 # ------------------------------------------------------------------ 1. node loss and SIGTERM
 
 
@@ -117,7 +109,7 @@ def model_args(a: argparse.Namespace) -> list[str]:
 
 
 def cluster_part(a: argparse.Namespace, shards: Path, work: Path) -> dict[str, Any]:
-    from tests.support.procs import RayHead, stop
+    from tests.support.procs import RayHead, stop, wait_for
 
     import secrets
 
@@ -137,21 +129,25 @@ def cluster_part(a: argparse.Namespace, shards: Path, work: Path) -> dict[str, A
                                str(shards), str(REPO), run, str(a.vocab)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=open(work / "driver.log", "w"), text=True)
     run_dir = work / "wd/ray_train" / run
+
+    def wait(what: str, cond: Any) -> None:
+        wait_for(what, cond, driver, work / "driver.log", timeout_s=600)
+
     try:
-        wait("checkpoint 10", lambda: registered_step(run_dir) >= 10, driver)
+        wait("checkpoint 10", lambda: registered_step(run_dir) >= 10)
         before = read_stamps(stamps)
         t_kill = time.time()
         stop(nodes[0], timeout_s=0)
-        wait("a step on one worker", lambda: any(w == 1 for _, _, w, _ in read_stamps(stamps)), driver)
+        wait("a step on one worker", lambda: any(w == 1 for _, _, w, _ in read_stamps(stamps)))
         small = [r for r in read_stamps(stamps) if r[2] == 1]
         resumed = small[0][1] - 1
         done_before = max(s for t, s, _, _ in before + [r for r in read_stamps(stamps) if r[0] < t_kill]) - 1
-        wait("3 steps on one worker", lambda: read_stamps(stamps)[-1][1] >= resumed + 4, driver)
+        wait("3 steps on one worker", lambda: read_stamps(stamps)[-1][1] >= resumed + 4)
         last = read_stamps(stamps)[-1]
         t_term = time.time()
         os.kill(last[3], signal.SIGTERM)
         wait("a step after the SIGTERM restart",
-             lambda: any(p != last[3] for _, _, _, p in read_stamps(stamps)[-3:]), driver)
+             lambda: any(p != last[3] for _, _, _, p in read_stamps(stamps)[-3:]))
         after = next(r for r in read_stamps(stamps) if r[3] != last[3] and r[0] > t_term)
         signalled_step = max(s for t, s, _, p in read_stamps(stamps) if p == last[3] and t <= t_term)
         out, _ = driver.communicate(timeout=900)

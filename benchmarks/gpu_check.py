@@ -72,7 +72,7 @@ class Profile:
         self.budget = {k: max(10.0, v * s) for k, v in {
             "train base eager": 60, "host syncs": 20, "checkpoint stall": 20, "fit base": 45,
             "ddp nccl": 30, "beam-4 decode": 45, "train base compiled": 100, "train big eager": 45,
-            "fit big": 45, "train big compiled": 100, "ctranslate2 decode": 10}.items()}
+            "fit big": 45, "train big compiled": 100}.items()}
 
     def model(self, size: str) -> ModelConfig:
         if self.smoke:

@@ -109,7 +109,6 @@ def fit_probe(pr: Any, mc: ModelConfig) -> Callable[[int], bool]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    fits.model = model  # noqa: B018 (kept alive for the caller's memory figure)
     return fits
 
 

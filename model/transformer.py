@@ -93,7 +93,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tens
     torch 2.13's CPU flash-attention backward in bf16 is ~7x slower than in fp32 (24 vs 3.3 ms
     at B 64, h 4, T 40, hs 32), which made a bf16 training step slower than an fp32 one at
     d_model 128; the matmuls around it stay bf16. (Autocast would cast fp32 inputs back to bf16.)"""
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.requires_grad:  # (False under no_grad)
         with torch.autocast("cpu", enabled=False):
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, **kw)
