@@ -57,8 +57,9 @@ class ModelFiles:
 
 def find_model(*, config: Sequence[str] = (), overrides: Sequence[str] = (), work_dir: str = "",
                model_uri: str = "", tracking_uri: str = "", model_dir: str = "", spm: str = "",
-               ct2_model: str = "") -> ModelFiles:
-    """The model named by exactly one of ``config``, ``model_uri`` or ``model_dir`` + ``spm``."""
+               ct2_model: str = "", download_dir: str | None = None) -> ModelFiles:
+    """The model named by exactly one of ``config``, ``model_uri`` or ``model_dir`` + ``spm``
+    (a registry version is downloaded into ``download_dir``, default a new temporary folder)."""
     named = [n for n, v in (("config", config), ("model", model_uri), ("model_dir", model_dir)) if v]
     if len(named) != 1:
         raise ModelNotFound(f"name one model: config=..., model=models:/..., or model_dir=... spm=... "
@@ -70,7 +71,7 @@ def find_model(*, config: Sequence[str] = (), overrides: Sequence[str] = (), wor
         cfg = load_config(list(config), [*overrides, *([f"--run.work_dir={work_dir}"] if work_dir else [])])
         return from_config(cfg, f"config {', '.join(config)}")
     if model_uri:
-        return from_registry(model_uri, tracking_uri)
+        return from_registry(model_uri, tracking_uri, download_dir)
     if not spm:
         raise ModelNotFound(f"model_dir={model_dir}: give spm=... (the vocab stage's spm.model) as well")
     files = from_model_dir(model_dir, spm)
@@ -131,19 +132,20 @@ def from_config(cfg: Any, origin: str) -> ModelFiles:
     return files
 
 
-def from_registry(model_uri: str, tracking_uri: str = "") -> ModelFiles:
-    """A registered version (``models:/<name>/<version>`` or ``models:/<name>@<alias>``), downloaded."""
+def from_registry(model_uri: str, tracking_uri: str = "", dst: str | None = None) -> ModelFiles:
+    """A registered version (``models:/<name>/<version>`` or ``models:/<name>@<alias>``), downloaded
+    (into ``dst``, default a new temporary folder)."""
     from pipeline import registry
 
     try:
-        folder = registry.download_version(model_uri, tracking_uri)
+        folder = registry.download_version(model_uri, tracking_uri, dst)
     except ValueError as e:
         raise ModelNotFound(str(e)) from None
     art = folder / "artifacts"
     ours = art / registry.OURS
     if not (ours / "model.pt").exists():
         raise ModelNotFound(f"{model_uri}: not a version the register stage made (no artifacts/{registry.OURS}/model.pt)")
-    ct2 = {q: str(art / f"ct2-{q}") for q in ("float32", "int8") if (art / f"ct2-{q}").is_dir()}
+    ct2 = {p.name[len("ct2-"):]: str(p) for p in sorted(art.glob("ct2-*")) if p.is_dir()}  # as register wrote them
     return ModelFiles(str(ours / "model.pt"), storage.read_json(str(ours / "model_config.json")),
                       str(ours / "spm.model"), origin=model_uri, ct2=ct2,
                       hf=str(art / "hf") if (art / "hf").is_dir() else "",

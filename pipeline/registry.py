@@ -16,7 +16,7 @@ import logging
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +51,11 @@ def find_version(tracking_uri: str, name: str, identity: dict[str, str]) -> Any 
     return None
 
 
-def register_version(tracking_uri: str, run_id: str, name: str, model_folder: Path, identity: dict[str, str],
-                     tags: dict[str, str], description: str = "") -> tuple[str, bool]:
+def register_version(tracking_uri: str, run_id: str, name: str, model_folder: Callable[[], Path],
+                     identity: dict[str, str], tags: dict[str, str], description: str = "") -> tuple[str, bool]:
     """(version, created): the existing version with these ``identity`` tags (its other tags
-    updated), or a new one whose files are ``model_folder`` logged to ``run_id`` as ``model``."""
+    updated), or a new one whose files, the folder ``model_folder()`` builds (called only then),
+    are logged to ``run_id`` as ``model``."""
     client = _client(tracking_uri)
     _ensure_registered_model(client, name, description)
     tags = {k: str(v)[:_MAX_TAG_LEN] for k, v in {**tags, **identity}.items()}
@@ -64,7 +65,7 @@ def register_version(tracking_uri: str, run_id: str, name: str, model_folder: Pa
             client.set_model_version_tag(name, existing.version, k, v)
         log.info("registry: %s version %s already holds this model; tags updated", name, existing.version)
         return str(existing.version), False
-    client.log_artifacts(run_id, str(model_folder), "model")
+    client.log_artifacts(run_id, str(model_folder()), "model")
     source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/model"
     mv = client.create_model_version(name, source, run_id=run_id, tags=tags, description=description)
     log.info("registry: registered %s version %s (run %s)", name, mv.version, run_id)

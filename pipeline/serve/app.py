@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,13 +95,13 @@ class ServeSettings(DecodeSettings):
         return s
 
 
-def find_files(s: ServeSettings) -> Any:
+def find_files(s: ServeSettings, download_dir: str | None = None) -> Any:
     """The model these settings name (``pipeline.models.find_model``)."""
     from pipeline.models import find_model
 
     return find_model(config=[c for c in s.config.split(",") if c], overrides=s.overrides.split(),
                       work_dir=s.work_dir, model_uri=s.model, tracking_uri=s.tracking_uri,
-                      model_dir=s.model_dir, spm=s.spm, ct2_model=s.ct2_model)
+                      model_dir=s.model_dir, spm=s.spm, ct2_model=s.ct2_model, download_dir=download_dir)
 
 
 def translator_kwargs(s: ServeSettings, files: Any) -> dict[str, Any]:
@@ -184,5 +185,6 @@ def deployment_options(s: ServeSettings) -> dict[str, Any]:
 def build_app(args: dict[str, Any]) -> Any:
     """The application for ``serve run pipeline.serve.app:build_app key=value ...``."""
     s = ServeSettings.from_args(dict(args))
-    translator_kwargs(s, find_files(s))  # fail in the driver, naming the stage or file, not in every replica
+    with tempfile.TemporaryDirectory() as tmp:  # a registry version's copy: each replica downloads its own
+        translator_kwargs(s, find_files(s, tmp))  # fail in the driver, naming the stage or file, not in every replica
     return Translation.options(**deployment_options(s)).bind(dataclasses.asdict(s))

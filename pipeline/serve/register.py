@@ -96,11 +96,10 @@ def run(ctx: StageContext) -> StageResult:
     setup = setup_of(ctx.cfg)
     description = (f"Transformer (Vaswani et al., 2017), {setup['size'] or 'custom size'}, {setup['pair']}: "
                    "pyfunc on the Hugging Face Marian folder; our model.pt + spm.model; CTranslate2 float32/int8")
-    existing = registry.find_version(ctx.tracker.tracking_uri, name, identity)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = None if existing else build_pyfunc(Path(tmp), files, avg.outputs["model_config"], decode)
-        version, created = registry.register_version(ctx.tracker.tracking_uri, ctx.tracker.run_id, name, folder,
-                                                     identity, tags, description)
+        version, created = registry.register_version(
+            ctx.tracker.tracking_uri, ctx.tracker.run_id, name,
+            lambda: build_pyfunc(Path(tmp), files, avg.outputs["model_config"], decode), identity, tags, description)
     uri = f"models:/{name}/{version}"
     log.info("register: %s (%s)", uri, "new version" if created else "existing version, tags updated")
     return StageResult(outputs={"registered": True, "registered_model": name, "version": str(version),
