@@ -91,14 +91,15 @@ def from_model_dir(model_dir: str, spm: str) -> ModelFiles:
     return ModelFiles(storage.join(model_dir, "model.pt"), model_config, spm, origin=model_dir)
 
 
-def finished_stages(cfg: Any, names: Sequence[str], origin: str) -> dict[str, Manifest]:
+def finished_stages(cfg: Any, names: Sequence[str], origin: str,
+                    known: dict[str, Manifest] | None = None) -> dict[str, Manifest]:
     """The manifests of ``names`` (and of every stage they read) at ``cfg``'s keys, each finished
     and current, or the error naming the first stage that is not (not run with this config, or
-    stale: an upstream stage was rerun after it)."""
+    stale: an upstream stage was rerun after it); ``known``: ones already found so (not read again)."""
     keys = compute_keys(cfg)
     wanted = set(names).union(*(upstream_closure(n) for n in names))
-    out: dict[str, Manifest] = {}
-    for name in [n for n in ORDER if n in wanted]:
+    out: dict[str, Manifest] = dict(known or {})
+    for name in [n for n in ORDER if n in wanted and n not in out]:
         where = stage_dir(cfg, name, keys[name])
         m = read_manifest(where, keys[name])
         if m is None:
@@ -122,7 +123,7 @@ def from_config(cfg: Any, origin: str) -> ModelFiles:
                        origin=f"{origin} (average {avg.key})")
     log.info("model of %s: %s", origin, avg.dir)
     try:
-        export = finished_stages(cfg, ["export"], origin)["export"].outputs
+        export = finished_stages(cfg, ["export"], origin, found)["export"].outputs
     except ModelNotFound as e:  # the torch backend does not need it; asking for CTranslate2 says why
         files.no_ct2 = str(e)
         return files
