@@ -32,12 +32,20 @@ def op(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
 class DataConfig:
     """Where the parallel text comes from and how it is cleaned (``download``, ``prepare``)."""
 
-    source: str = "wmt14"  # "wmt14" (the paper's data, §5.1) or "custom" (your own files below)
+    # "wmt14" (the paper's data, §5.1), "multi30k" (Multi30k task 1, the small published benchmark a
+    # CPU reproduces: pipeline/data/sources.py) or "custom" (your own files below)
+    source: str = "wmt14"
     src_lang: str = "en"
     tgt_lang: str = "de"
     # Replaces http://statmt.org/ for every WMT14 file: a URL or a local folder with the same
-    # relative paths (wmt13/..., wmt14/...). Empty = the real statmt.org URLs.
+    # relative paths (wmt13/..., wmt14/...). Empty = the real statmt.org URLs. Multi30k: replaces
+    # https://github.com/multi30k/dataset/raw/<commit>/ (a folder holding data/task1/raw/...).
     mirror: str = ""
+    # Text preprocessing applied by prepare to every split before cleaning, as a benchmark defines
+    # it. "lowercase_moses": Multi30k's scripts/task1-tokenize.sh (lowercase, Moses punctuation
+    # normalization and tokenizer per language, via sacremoses); score then reports the benchmark's
+    # BLEU on that text beside sacreBLEU on the raw reference. "none": the text as it is (§5.1).
+    preprocess: str = "none"
     # source = "custom": plain-text files, one sentence per line (local paths or URLs, .gz ok).
     train_src: list[str] = field(default_factory=list)
     train_tgt: list[str] = field(default_factory=list)
@@ -60,7 +68,10 @@ class DataConfig:
         return f"{self.src_lang.upper()}-{self.tgt_lang.upper()}"
 
     def validate(self) -> None:
-        _check(self.source in ("wmt14", "custom"), "data.source", "must be 'wmt14' or 'custom'")
+        _check(self.source in ("wmt14", "multi30k", "custom"), "data.source",
+               "must be 'wmt14', 'multi30k' or 'custom'")
+        _check(self.preprocess in ("none", "lowercase_moses"), "data.preprocess",
+               "must be 'none' or 'lowercase_moses'")
         if self.source == "custom":
             _check(bool(self.train_src) and len(self.train_src) == len(self.train_tgt),
                    "data.train_src", "custom data needs train_src and train_tgt lists of equal length")

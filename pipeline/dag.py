@@ -25,7 +25,7 @@ from pipeline.stage import MANIFEST, Manifest, Stage
 _DATA_SOURCE = ("data.source", "data.src_lang", "data.tgt_lang", "data.mirror",
                 "data.train_src", "data.train_tgt", "data.dev_src", "data.dev_tgt",
                 "data.test_src", "data.test_tgt")
-_CLEANING = ("data.max_words", "data.max_length_ratio", "data.dedup",
+_CLEANING = ("data.preprocess", "data.max_words", "data.max_length_ratio", "data.dedup",
              "data.max_pairs_per_corpus", "data.num_shards")
 
 _DEV_BLEU = ("eval.average_select", "eval.dev_bleu_sentences", "eval.dev_bleu_engine",
@@ -49,8 +49,10 @@ STAGES: tuple[Stage, ...] = (
           ("average", "encode", "vocab", "export"), "pipeline.evaluate.translate:run"),
     # The report names the pair and test set and picks its Table 2 row from data.* and model.*;
     # it reads the training facts from train and the averaged checkpoints from average, where they are made.
+    # With data.preprocess it reads download's raw test reference for the cased sacreBLEU.
     Stage("score", "1", ("eval.splits", "eval.max_sentences", "data.source", "data.src_lang", "data.tgt_lang",
-                         "data.dev_src", "data.test_src", "model"), ("translate", "encode", "average", "train"),
+                         "data.dev_src", "data.test_src", "data.preprocess", "model"),
+          ("translate", "encode", "average", "train", "download"),
           "pipeline.evaluate.score:run"),
     # The scored model as a version of the MLflow Model Registry (its files and its test scores).
     Stage("register", "1", (), ("average", "vocab", "export", "score"), "pipeline.serve.register:run",

@@ -79,7 +79,7 @@ def row_result(row: str, cfg: Config, outcome: sweep.Outcome) -> dict[str, Any]:
         entry.update(status="failed", failed_stage=outcome.failed_stage, error=outcome.error, ppl_dev=None,
                      bleu_dev=None, train_steps=None)
         return entry
-    key = paper_metric(cfg.data.tgt_lang)
+    key = paper_metric(cfg.data.tgt_lang, cfg.data.preprocess)
     dev = manifests["score"].outputs["scores"]["dev"]
     entry.update(ppl_dev=manifests["train"].metrics.get("val/final_ppl"), bleu_dev=dev[key], bleu_metric=key,
                  bleu_sacre_dev=dev["bleu_sacre"], train_steps=manifests["train"].outputs["final_step"],

@@ -3,6 +3,9 @@
 ``data.source = "wmt14"``: the archives of ``pipeline.data.sources`` from statmt.org or ``data.mirror``,
 each verified (the mirror's ``SHA256SUMS`` when it has one, else the registry's checksum where one
 is published), then streamed once to copy out the wanted members.
+``data.source = "multi30k"``: Multi30k task 1's six gzipped text files from the ``multi30k/dataset``
+repository at a pinned commit (or ``data.mirror``), each checked against its sha256 (resumable
+download as for WMT14), stored decompressed.
 ``data.source = "custom"``: the user's plain-text files (paths, ``s3://`` or URLs; ``.gz`` ok),
 copied decompressed into the output folder.
 """
@@ -24,6 +27,8 @@ def run(ctx: StageContext) -> StageResult:
     d = ctx.cfg.data
     if d.source == "custom":
         outputs, num_bytes = _custom(ctx)
+    elif d.source == "multi30k":
+        outputs, num_bytes = _multi30k(ctx)
     else:
         outputs, num_bytes = _wmt14(ctx)
     num_files = 2 * (len(outputs["train"]) + 2)
@@ -71,6 +76,29 @@ def _wmt14(ctx: StageContext) -> tuple[dict[str, Any], int]:
                 outputs["train"].append(entry)
             else:
                 outputs[c.split] = entry
+    return outputs, num_bytes
+
+
+def _multi30k(ctx: StageContext) -> tuple[dict[str, Any], int]:
+    d = ctx.cfg.data
+    out_dir = storage.absolute(ctx.out_dir)
+    outputs: dict[str, Any] = {"train": [], "dev": None, "test": None, "files": []}
+    num_bytes = 0
+    for pair in sources.multi30k(d.src_lang, d.tgt_lang):
+        entry = {"corpus": pair.name}
+        for side, lang in (("src", d.src_lang), ("tgt", d.tgt_lang)):
+            f = pair.files[lang]
+            uri = sources.location(f, d.mirror)
+            local, got_sha, size = fetch(uri, ctx.cfg.run.work_dir, d.download_timeout_s, sha256=f.sha256)
+            dest = storage.join(out_dir, pair.split, pair.name, f.relpath.rsplit("/", 1)[-1].removesuffix(".gz"))
+            copy_text_file(local, dest)
+            num_bytes += size
+            outputs["files"].append({"url": uri, "sha256": got_sha, "bytes": size})
+            entry[side] = dest
+        if pair.split == "train":
+            outputs["train"].append(entry)
+        else:
+            outputs[pair.split] = entry
     return outputs, num_bytes
 
 

@@ -30,6 +30,7 @@ from pipeline.data import dedup
 from pipeline.data.clean import (RULES, TEXT_SCHEMA, ReadReport, Segment, clean_batch, pair_hashes,
                                  read_pair_chunks, segment_offsets)
 from pipeline.data.fetch import DataError
+from pipeline.data.preprocess import preprocess_table
 from pipeline.data.shards import ShardWriter
 from pipeline.stage import StageContext, StageResult
 
@@ -43,10 +44,12 @@ SCHEMA = pa.schema([("idx", pa.int64()), *TEXT_SCHEMA])
 
 def clean_pairs(split: str, corpus: str, src: str, tgt: str, staging_dir: str, max_words: int,
                 max_length_ratio: float, max_lines: int = 0, chunk_lines: int = CHUNK_LINES,
-                segment: Segment | None = None, with_hashes: bool = False) -> dict[str, Any]:
+                segment: Segment | None = None, with_hashes: bool = False, preprocess: str = "none",
+                langs: tuple[str, str] = ("", "")) -> dict[str, Any]:
     """Read, clean and stage one file pair (or one ``segment`` of it); what was read, kept, dropped.
 
-    ``with_hashes`` adds each kept pair's 64-bit hash as a ``hash`` column (for dedup). The test
+    ``preprocess`` (``data.preprocess``, for the languages ``langs``) rewrites both sides of every
+    chunk before the cleaning rules see it (``pipeline.data.preprocess``). ``with_hashes`` adds each kept pair's 64-bit hash as a ``hash`` column (for dedup). The test
     split is flagged, not filtered, and must be valid UTF-8 (``clean``).
     """
     is_test = split == "test"
@@ -58,6 +61,7 @@ def clean_pairs(split: str, corpus: str, src: str, tgt: str, staging_dir: str, m
     chunks: list[dict[str, Any]] = []
     for i, table in enumerate(read_pair_chunks(corpus, src, tgt, chunk_lines, max_lines, strict_utf8=is_test,
                                                report=report, segment=segment)):
+        table = preprocess_table(table, preprocess, *langs)
         kept, dropped = clean_batch(table, max_words, max_length_ratio, drop=not is_test)
         for rule, n in dropped.items():
             counts[rule] += n
@@ -126,6 +130,7 @@ def _run_tasks(ctx: StageContext, staging: str) -> list[tuple[list[Any], Any]]:
     ensure_ray(ctx.cfg)
     d = ctx.cfg.data
     opts = {"num_cpus": ctx.cfg.run.data_num_cpus, "max_retries": 0}
+    text = {"preprocess": d.preprocess, "langs": (d.src_lang, d.tgt_lang)}
     task, index = ray.remote(clean_pairs).options(**opts), ray.remote(segment_offsets).options(**opts)
     out: list[tuple[list[Any], Any]] = []
     for i, (split, f) in enumerate(_jobs(ctx)):
@@ -134,7 +139,8 @@ def _run_tasks(ctx: StageContext, staging: str) -> list[tuple[list[Any], Any]]:
             out.append(([], index.remote(f["src"], f["tgt"], SEGMENT_LINES, limit)))
         else:
             out.append(([task.remote(split, f["corpus"], f["src"], f["tgt"], storage.join(staging, f"{i:03d}-{split}"),
-                                     d.max_words, d.max_length_ratio, limit, with_hashes=d.dedup and split == "train")],
+                                     d.max_words, d.max_length_ratio, limit, with_hashes=d.dedup and split == "train",
+                                     **text)],
                         None))
     for i, ((refs, idx_ref), (split, f)) in enumerate(zip(out, _jobs(ctx))):
         if idx_ref is None:
@@ -142,7 +148,7 @@ def _run_tasks(ctx: StageContext, staging: str) -> list[tuple[list[Any], Any]]:
         segments, _ = get_data_error(idx_ref)
         stage_dir = storage.join(staging, f"{i:03d}-{split}")
         refs += [task.remote(split, f["corpus"], f["src"], f["tgt"], storage.join(stage_dir, f"seg-{k:05d}"),
-                             d.max_words, d.max_length_ratio, segment=seg, with_hashes=d.dedup)
+                             d.max_words, d.max_length_ratio, segment=seg, with_hashes=d.dedup, **text)
                  for k, seg in enumerate(segments)]
     return out
 

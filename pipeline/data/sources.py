@@ -8,6 +8,11 @@ registry (``wmt14/full``), so both agree on what "the test set" is.
 
 ``data.mirror`` (a URL, an ``s3://`` URI or a local folder with the same relative paths
 ``wmt13/...``, ``wmt14/...``) replaces ``http(s)://statmt.org/`` for air-gapped clusters and tests.
+
+Multi30k task 1 (Elliott et al., 2016, W16-3210; ``data.source = "multi30k"``): the small published
+EN-DE benchmark a CPU can reproduce. Its six gzipped text files come from the ``multi30k/dataset``
+repository at a pinned commit, each checked against its sha256; ``data.mirror`` then replaces
+``https://github.com/multi30k/dataset/raw/<commit>/`` (a folder with ``data/task1/raw/...``).
 """
 
 from __future__ import annotations
@@ -109,6 +114,53 @@ def wmt14_en_fr(langpair: str = "en-fr") -> list[Corpus]:
     ]
 
 
+MULTI30K_COMMIT = "a3d2e0d26b56f3846f66a952536ffed4e401d05a"
+MULTI30K = re.compile(r"^https://github\.com/multi30k/dataset/raw/[0-9a-f]{40}/")
+# (split, the repository's file stem): train (29,000 pairs), val (1,014) as dev, test_2016_flickr (1,000).
+MULTI30K_SPLITS = (("train", "train"), ("dev", "val"), ("test", "test_2016_flickr"))
+# sha256 of data/task1/raw/<stem>.<lang>.gz at MULTI30K_COMMIT (unchanged since c9be912, 2018-01-17).
+MULTI30K_SHA256 = {
+    "train.en": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
+    "train.de": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
+    "val.en": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
+    "val.de": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
+    "test_2016_flickr.en": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
+    "test_2016_flickr.de": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
+}
+
+
+@dataclass(frozen=True)
+class TextFile:
+    """One gzipped text file of a source that ships plain files, not archives (Multi30k)."""
+
+    url: str
+    sha256: str
+
+    @property
+    def relpath(self) -> str:
+        """``data/task1/raw/train.en.gz``: the path under the repository, and so under a mirror."""
+        return MULTI30K.sub("", self.url)
+
+
+@dataclass(frozen=True)
+class FilePair:
+    name: str  # "multi30k_train"
+    split: str  # "train" | "dev" | "test"
+    files: dict[str, TextFile]  # language -> file
+
+
+def multi30k(src_lang: str, tgt_lang: str) -> list[FilePair]:
+    """Multi30k task 1's train, val (dev) and test_2016_flickr (test) files for en-de or de-en."""
+    if {src_lang, tgt_lang} != {"en", "de"} or src_lang == tgt_lang:
+        raise ValueError(f"data.src_lang/data.tgt_lang: Multi30k task 1 here is en-de or de-en, "
+                         f"got {src_lang}-{tgt_lang}")
+    base = f"https://github.com/multi30k/dataset/raw/{MULTI30K_COMMIT}/data/task1/raw/"
+    return [FilePair(f"multi30k_{stem}", split,
+                     {lang: TextFile(f"{base}{stem}.{lang}.gz", MULTI30K_SHA256[f"{stem}.{lang}"])
+                      for lang in (src_lang, tgt_lang)})
+            for split, stem in MULTI30K_SPLITS]
+
+
 def check_langs(src_lang: str, tgt_lang: str) -> None:
     if {src_lang, tgt_lang} not in PAIRS or src_lang == tgt_lang:
         raise ValueError(f"data.src_lang/data.tgt_lang: WMT14 here is en-de, de-en, en-fr or fr-en, "
@@ -123,8 +175,8 @@ def archives(corpora: list[Corpus]) -> list[Archive]:
     return list(out.values())
 
 
-def location(archive: Archive, mirror: str) -> str:
-    """Where to fetch ``archive`` from: the statmt.org URL, or the same relative path under ``mirror``."""
+def location(archive: Archive | TextFile, mirror: str) -> str:
+    """Where to fetch ``archive`` from: its canonical URL, or the same relative path under ``mirror``."""
     if not mirror:
         return archive.url
     return mirror.rstrip("/") + "/" + archive.relpath

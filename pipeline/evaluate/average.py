@@ -72,7 +72,8 @@ def _score_here(cfg: Config, dev: dict[str, Any], run_dir: str, uri: str, name: 
         for f in ("model.pt", "meta.json"):
             storage.upload(storage.local_copy(storage.join(uri, f)), str(Path(tmp) / f))
         result = dev_bleu.score_checkpoint(tmp, dev["dev_dir"], dev["spm"], settings, cfg.data.tgt_lang,
-                                           threads=threads, batch_tokens=cfg.eval.batch_tokens)
+                                           threads=threads, batch_tokens=cfg.eval.batch_tokens,
+                                           preprocess=cfg.data.preprocess)
     record = {"checkpoint": name, "step": dev_bleu.step_of(name), "settings": settings.to_dict(),
               "status": "validated", "by": "average", **result, "seconds": time.perf_counter() - t0}
     dev_bleu.write_record(run_dir, record)

@@ -142,7 +142,32 @@ def tokenized_bleu_cs(hyps: Sequence[str], refs: Sequence[str]) -> Score:
     return tokenized_bleu(hyps, refs, "de", compound_split=True)
 
 
-def paper_metric(tgt_lang: str) -> str:
-    """The key of the tokenized BLEU comparable with the paper for a target language:
-    ``bleu_tok_cs`` (compound split, get_ende_bleu.sh) for German, ``bleu_tok`` otherwise."""
+def paper_metric(tgt_lang: str, preprocess: str = "none") -> str:
+    """The key of the tokenized BLEU comparable with the published numbers: ``bleu_tok_cs``
+    (compound split, get_ende_bleu.sh) for German, ``bleu_tok`` otherwise; ``bleu_tok_lc`` when the
+    text was preprocessed as a benchmark defines it (``data.preprocess``, e.g. Multi30k)."""
+    if preprocess != "none":
+        return "bleu_tok_lc"
     return "bleu_tok_cs" if tgt_lang == "de" else "bleu_tok"
+
+
+def benchmark_bleu(hyps_tok: Sequence[str], refs_tok: Sequence[str]) -> Score:
+    """BLEU4 on text already preprocessed by the benchmark's own recipe (Multi30k: lowercased,
+    punctuation-normalized, Moses-tokenized, ``data.preprocess = "lowercase_moses"``), against the
+    reference preprocessed the same way: whitespace tokens, no smoothing, one reference. This is the
+    number fairseq's ``generate.py --remove-bpe`` prints (``BLEU4 = ...``) and multi-bleu.perl gives."""
+    result = multi_bleu(hyps_tok, refs_tok)
+    sig = "bleu_tok_lc: the benchmark's own tokenized lowercased text, no further tokenization + " + result.signature
+    return Score(result.score, sig, result.detail)
+
+
+@functools.lru_cache(maxsize=4)
+def _detok(lang: str):
+    from sacremoses import MosesDetokenizer
+
+    return MosesDetokenizer(lang=lang)
+
+
+def moses_detokenize(line: str, lang: str) -> str:
+    """``detokenizer.perl -l LANG`` (sacremoses; unescapes ``&apos;`` and friends)."""
+    return _detok(lang).detokenize(line.split())

@@ -109,7 +109,7 @@ def validation_config(cfg: Config, *, dev_dir: str, vocab: dict[str, Any], run_d
     options, device, threads = task_resources(cfg)
     kwargs = {"run_dir": storage.absolute(run_dir), "dev_dir": storage.absolute(dev_dir),
               "spm": storage.absolute(vocab["model"]), "settings": DevBleuSettings.from_config(cfg).to_dict(),
-              "tgt_lang": cfg.data.tgt_lang, "device": device, "threads": threads,
+              "tgt_lang": cfg.data.tgt_lang, "preprocess": cfg.data.preprocess, "device": device, "threads": threads,
               "batch_tokens": cfg.eval.batch_tokens, "tracking_uri": tracking_uri, "run_id": run_id}
     log.info("train: dev BLEU per checkpoint in a Ray task (%s), %s", options, kwargs["settings"])
     return ValidationConfig(fn=validate_checkpoint, task_config=ValidationTaskConfig(fn_kwargs=kwargs),
@@ -121,7 +121,7 @@ def validation_config(cfg: Config, *, dev_dir: str, vocab: dict[str, Any], run_d
 
 def validate_checkpoint(checkpoint: Any, *, run_dir: str, dev_dir: str, spm: str, settings: dict[str, Any],
                         tgt_lang: str, device: str, threads: int, batch_tokens: int,
-                        tracking_uri: str | None, run_id: str | None) -> dict[str, float]:
+                        tracking_uri: str | None, run_id: str | None, preprocess: str = "none") -> dict[str, float]:
     """Ray Train's validation function: ``checkpoint`` (a registered ``ray.train.Checkpoint``) first,
     the ``fn_kwargs`` above; returns the metrics Ray merges into the checkpoint's."""
     worker_logging()
@@ -137,7 +137,7 @@ def validate_checkpoint(checkpoint: Any, *, run_dir: str, dev_dir: str, spm: str
     try:
         with checkpoint.as_directory() as local:
             result = score_checkpoint(local, dev_dir, spm, DevBleuSettings(**settings), tgt_lang, device,
-                                      threads, batch_tokens)
+                                      threads, batch_tokens, preprocess)
     except Exception as e:
         write_record(run_dir, {**base, "status": "failed", "error": f"{type(e).__name__}: {e}",
                                "seconds": time.perf_counter() - t0})
@@ -158,7 +158,8 @@ def metrics_of(result: dict[str, Any]) -> dict[str, float]:
 
 
 def score_checkpoint(folder: str, dev_dir: str, spm: str, settings: DevBleuSettings, tgt_lang: str,
-                     device: str = "cpu", threads: int = 1, batch_tokens: int = 4000) -> dict[str, Any]:
+                     device: str = "cpu", threads: int = 1, batch_tokens: int = 4000,
+                     preprocess: str = "none") -> dict[str, Any]:
     """Decode the dev split with the checkpoint in ``folder`` (model.pt + meta.json) and score it."""
     from pipeline.evaluate.bleu import paper_metric
     from pipeline.evaluate.score import score_split
@@ -172,8 +173,8 @@ def score_checkpoint(folder: str, dev_dir: str, spm: str, settings: DevBleuSetti
         engine, ct2_model = _engine(folder, model_config, spm, settings, Path(tmp))
         hyps = decode(str(Path(folder) / "model.pt"), model_config, spm, settings, df["src_ids"], engine,
                       ct2_model, device, threads, batch_tokens)
-    s = score_split(hyps, [str(t) for t in df["tgt"]], tgt_lang)
-    key = paper_metric(tgt_lang)
+    s = score_split(hyps, [str(t) for t in df["tgt"]], tgt_lang, preprocess)
+    key = paper_metric(tgt_lang, preprocess)
     return {"bleu_sacre": s["bleu_sacre"], "chrf": s["chrf"], key: s[key], "tok_metric": key,
             "sacrebleu_signature": s["sacrebleu_signature"], "num_sentences": len(hyps), "engine": engine,
             "threads": threads, "device": device}

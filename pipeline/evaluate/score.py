@@ -27,34 +27,63 @@ from pipeline.evaluate.translate import read_split
 log = logging.getLogger(__name__)
 
 
-# Table 2's model rows, by the sizes that define them (Table 3: base; big, §6.1).
-_SIZES = {"base": (512, 2048, 8, 6, 6), "big": (1024, 4096, 16, 6, 6)}
+# Table 2's model rows, by the sizes that define them (Table 3: base; big, §6.1), and the
+# published Multi30k anchor's fairseq transformer_tiny (Wu et al., ACL 2021; arXiv 2105.14462).
+_SIZES = {"base": (512, 2048, 8, 6, 6), "big": (1024, 4096, 16, 6, 6), "tiny": (128, 256, 4, 4, 4)}
 _PAPER_COMPUTE = {"base": "12 h on 8 P100 = 96 GPU-hours", "big": "3.5 days on 8 P100 = 672 GPU-hours"}  # §5.2
+# Published rows on data other than WMT14, by (source, pair, preprocess): (label, size, test set, BLEU).
+# Multi30k: LividWo/Revisit-MMT README-baseline.md + evaluate.sh (fairseq generate.py, beam 5, the last
+# 10 epoch checkpoints averaged): "BLEU4 = 41.02, 71.0/47.5/34.3/24.5 (BP=0.999 ...)" on test_2016_flickr.
+PUBLISHED = {("multi30k", "en-de", "lowercase_moses"): [
+    ("Wu et al. 2021, fairseq transformer_tiny (4+4 layers, d_model 128, d_ff 256, 4 heads), beam 5, "
+     "last 10 averaged", "tiny", "test_2016_flickr", 41.02)]}
 
 
-def score_split(hyps: list[str], refs: list[str], tgt_lang: str = "de") -> dict[str, Any]:
+def score_split(hyps: list[str], refs: list[str], tgt_lang: str = "de", preprocess: str = "none",
+                raw_refs: list[str] | None = None) -> dict[str, Any]:
     """All three metrics with their signatures and details (pure). The tokenized BLEU is keyed
-    ``bleu_tok_cs`` (German, compound split) or ``bleu_tok`` (other targets)."""
-    key = bleu.paper_metric(tgt_lang)
-    sacre, cf = bleu.sacre_bleu(hyps, refs), bleu.chrf(hyps, refs)
-    tok = bleu.tokenized_bleu(hyps, refs, tgt_lang, compound_split=key == "bleu_tok_cs")
+    ``bleu_tok_cs`` (German, compound split) or ``bleu_tok`` (other targets).
+
+    With a benchmark's preprocessing (``preprocess`` != "none": hypotheses and ``refs`` are the
+    benchmark's lowercased tokenized text) it is ``bleu_tok_lc``, the benchmark's own BLEU on that
+    text, and sacreBLEU/chrF score the Moses-detokenized hypotheses against ``raw_refs`` (the raw,
+    cased reference; without them, against the detokenized ``refs``: ``bleu_sacre_reference`` says
+    which)."""
+    key = bleu.paper_metric(tgt_lang, preprocess)
+    if preprocess == "none":
+        sacre_hyps, sacre_refs, against = hyps, refs, "raw"
+        tok = bleu.tokenized_bleu(hyps, refs, tgt_lang, compound_split=key == "bleu_tok_cs")
+    else:
+        tok = bleu.benchmark_bleu(hyps, refs)
+        sacre_hyps = [bleu.moses_detokenize(h, tgt_lang) for h in hyps]
+        if raw_refs is not None:
+            sacre_refs, against = list(raw_refs), "raw"
+        else:
+            sacre_refs, against = [bleu.moses_detokenize(r, tgt_lang) for r in refs], f"{preprocess}, detokenized"
+    sacre, cf = bleu.sacre_bleu(sacre_hyps, sacre_refs), bleu.chrf(sacre_hyps, sacre_refs)
     return {"bleu_sacre": sacre.score, "sacrebleu_signature": sacre.signature, "bleu_sacre_detail": sacre.detail,
+            "bleu_sacre_reference": against,
             key: tok.score, f"{key}_signature": tok.signature, f"{key}_detail": tok.detail,
             "chrf": cf.score, "chrf_signature": cf.signature, "num_sentences": len(hyps)}
 
 
 def setup_of(cfg: Config) -> dict[str, Any]:
-    """What the report says the run is: language pair, test/dev set names, its Table 2 rows."""
+    """What the report says the run is: language pair, test/dev set names, the published rows
+    (Table 2 for WMT14; the anchor for a benchmark such as Multi30k) as (label, size, set, value)."""
     d, m = cfg.data, cfg.model
-    wmt = d.source == "wmt14"
     pair = f"{d.src_lang}-{d.tgt_lang}"
     size = next((name for name, dims in _SIZES.items() if dims == (
         m.d_model, m.d_ff, m.n_heads, m.n_encoder_layers, m.n_decoder_layers)), None)
-    return {"pair": d.pair, "tgt_lang": d.tgt_lang, "metric": bleu.paper_metric(d.tgt_lang),
-            "sets": {"test": "newstest2014 (full)" if wmt else f"custom test set ({d.test_src})",
-                     "dev": "newstest2013" if wmt else f"custom dev set ({d.dev_src})"},
-            # Table 2 reports EN->DE and EN->FR only; other directions and custom data get no row.
-            "paper": bleu.PAPER_TABLE2.get(pair, {}) if wmt else {}, "size": size}
+    sets = {"wmt14": {"test": "newstest2014 (full)", "dev": "newstest2013"},
+            "multi30k": {"test": "Multi30k test_2016_flickr", "dev": "Multi30k val"}}.get(
+        d.source, {"test": f"custom test set ({d.test_src})", "dev": f"custom dev set ({d.dev_src})"})
+    if d.source == "wmt14":  # Table 2 reports EN->DE and EN->FR only; other directions get no row.
+        paper = [(f"paper, Transformer {name} (Table 2)", name, "newstest2014", value)
+                 for name, value in bleu.PAPER_TABLE2.get(pair, {}).items()]
+    else:
+        paper = PUBLISHED.get((d.source, pair, d.preprocess), [])
+    return {"pair": d.pair, "tgt_lang": d.tgt_lang, "metric": bleu.paper_metric(d.tgt_lang, d.preprocess),
+            "preprocess": d.preprocess, "sets": sets, "paper": paper, "size": size}
 
 
 def read_hyps(uri: str, num_refs: int) -> list[str]:
@@ -79,18 +108,19 @@ def render_report(scores: dict[str, dict[str, Any]], facts: dict[str, dict[str, 
     train, avg, tr = facts["train"], facts["average"], facts["translate"]
     mc, dec = train.get("model_config") or {}, tr.get("decode") or {}
     key, cs = setup["metric"], setup["metric"] == "bleu_tok_cs"
-    column = "BLEU (tokenized, compound split)" if cs else "BLEU (tokenized)"
+    column = {"bleu_tok_cs": "BLEU (tokenized, compound split)", "bleu_tok": "BLEU (tokenized)",
+              "bleu_tok_lc": "BLEU4 (benchmark's lowercased tokenized text)"}[key]
     out = [f"# Transformer {setup['pair']}: results", "",
            f"| system | set | {column} | sacreBLEU | chrF |", "|---|---|---|---|---|"]
-    for size, value in setup["paper"].items():
+    for label, size, test_set, value in setup["paper"]:
         mark = " **(this run's row)**" if size == setup["size"] else ""
-        out.append(f"| paper, Transformer {size} (Table 2){mark} | newstest2014 | {value} | - | - |")
+        out.append(f"| {label}{mark} | {test_set} | {value} | - | - |")
     for split, s in scores.items():
         out.append(f"| this run ({split}) | {setup['sets'].get(split, split)} | {_fmt(s[key])} "
                    f"| {_fmt(s['bleu_sacre'])} | {_fmt(s['chrf'])} |")
     averaged = avg.get("averaged") or []
     if setup["paper"]:
-        out += ["", f"Only the {column} column is comparable with the paper's numbers; "
+        out += ["", f"Only the {column} column is comparable with the published numbers; "
                 "sacreBLEU is the number to compare with other work."]
     else:
         out += ["", f"The paper (Table 2) has no row for {setup['pair']} on this data: nothing here is "
@@ -114,11 +144,20 @@ def render_report(scores: dict[str, dict[str, Any]], facts: dict[str, dict[str, 
                 f"  - chrF `{s['chrf_signature']}`",
                 f"  - tokenized BLEU: {s[key + '_detail']}"]
     out += dev_bleu.report_lines(averaged)
-    out += ["", _tokenized_note(setup["tgt_lang"], cs), ""]
+    out += ["", _tokenized_note(setup["tgt_lang"], cs, setup.get("preprocess", "none")), ""]
     return "\n".join(out)
 
 
-def _tokenized_note(lang: str, cs: bool) -> str:
+def _tokenized_note(lang: str, cs: bool, preprocess: str = "none") -> str:
+    if preprocess == "lowercase_moses":
+        return (f"Preprocessing (`data.preprocess = \"lowercase_moses\"`): every split, the references included, "
+                "was lowercased, punctuation-normalized and Moses-tokenized as the benchmark's own "
+                "scripts/task1-tokenize.sh does (sacremoses ports of lowercase.perl, normalize-punctuation.perl, "
+                f"tokenizer.perl -l {lang}); the model trained and translates on that text. BLEU4 = corpus BLEU "
+                "of the hypotheses against that reference, whitespace tokens, no smoothing (fairseq generate.py's "
+                "and multi-bleu.perl's number). sacreBLEU and chrF: the hypotheses Moses-detokenized, against the "
+                "raw cased reference (test) - a lowercasing model loses every capital there, so this number is "
+                "far below the BLEU4 column by construction.")
     if cs:
         return ("Tokenized BLEU = tensor2tensor's `get_ende_bleu.sh` as of the paper's time (e1bde977, "
                 "2017-11-08, before fc9335c0 added replace-unicode-punctuation.perl, which lowers scores by "
@@ -133,9 +172,28 @@ def _tokenized_note(lang: str, cs: bool) -> str:
 def _compute_line(c: dict[str, Any], size: str | None) -> str:
     if not c.get("wall_s"):
         return "- training compute: not recorded"
-    paper = f" (paper, {size}: {_PAPER_COMPUTE[size]}, §5.2)" if size else ""
+    paper = f" (paper, {size}: {_PAPER_COMPUTE[size]}, §5.2)" if size in _PAPER_COMPUTE else ""
     return (f"- training compute: {c['wall_s'] / 3600:.2f} h of training loop on {c.get('num_workers')} "
             f"{c.get('device')} worker(s), {c.get('gpu_hours', 0.0):.1f} GPU-hours{paper}")
+
+
+def raw_references(ctx: StageContext, split: str, num_refs: int) -> list[str] | None:
+    """The test split's raw reference lines (as downloaded, before ``data.preprocess``), for the cased
+    sacreBLEU beside a benchmark's BLEU on its preprocessed text; None without preprocessing, and for
+    the dev split (cleaning may drop dev pairs, so its lines need not align: its sacreBLEU is against
+    the detokenized preprocessed reference). The test split is never filtered, so line i is idx i."""
+    if ctx.cfg.data.preprocess == "none" or split != "test":
+        return None
+    from pipeline.data.clean import file_lines
+
+    lines = []
+    for line in file_lines(ctx.inputs["download"].outputs["test"]["tgt"]):
+        if len(lines) == num_refs:
+            break
+        lines.append(line.decode("utf-8"))
+    if len(lines) != num_refs:
+        raise ValueError(f"score: the raw test reference has {len(lines)} lines for {num_refs} references")
+    return lines
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -151,9 +209,12 @@ def run(ctx: StageContext) -> StageResult:
             log.warning("%s: scoring only the first %d sentences (eval.max_sentences): not comparable "
                         "with the paper's full-test-set BLEU", split, len(refs))
         hyps = read_hyps(tr["splits"][split]["hyps"], len(refs))
-        s = scores[split] = score_split(hyps, refs, setup["tgt_lang"])
-        log.info("%s %s: sacreBLEU %.2f (%s)", setup["pair"], split, s["bleu_sacre"], s["sacrebleu_signature"])
-        log.info("%s %s: %s %.2f (paper, Table 2: %s)", setup["pair"], split, key, s[key], setup["paper"] or "no row")
+        raw = raw_references(ctx, split, len(refs))
+        s = scores[split] = score_split(hyps, refs, setup["tgt_lang"], setup["preprocess"], raw)
+        log.info("%s %s: sacreBLEU %.2f (%s; reference: %s)", setup["pair"], split, s["bleu_sacre"],
+                 s["sacrebleu_signature"], s["bleu_sacre_reference"])
+        published = ", ".join(f"{label}: {value}" for label, _, _, value in setup["paper"]) or "no row"
+        log.info("%s %s: %s %.2f (published: %s)", setup["pair"], split, key, s[key], published)
         log.info("%s %s: chrF %.2f (%s)", setup["pair"], split, s["chrf"], s["chrf_signature"])
         metrics.update({f"{split}/bleu_sacre": s["bleu_sacre"], f"{split}/{key}": s[key],
                         f"{split}/chrf": s["chrf"]})
@@ -171,7 +232,8 @@ def run(ctx: StageContext) -> StageResult:
     ctx.tracker.log_text(json.dumps(scores, indent=2, sort_keys=True), "scores.json")
     ctx.tracker.log_text(report, "report.md")
     ctx.tracker.set_tags({f"{split}/sacrebleu_signature": s["sacrebleu_signature"] for split, s in scores.items()})
-    keep = ("bleu_sacre", "sacrebleu_signature", key, "chrf", "chrf_signature")
+    keep = ("bleu_sacre", "sacrebleu_signature", "bleu_sacre_reference", key, f"{key}_signature", "chrf",
+            "chrf_signature")
     return StageResult(outputs={"scores": {sp: {k: s[k] for k in keep} for sp, s in scores.items()},
                                 "report": report_uri, "scores_file": scores_uri},
                        metrics=metrics)
