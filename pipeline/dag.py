@@ -51,8 +51,8 @@ STAGES: tuple[Stage, ...] = (
     # it reads the training facts from train and the averaged checkpoints from average, where they are made.
     # With data.preprocess it reads download's raw test reference for the cased sacreBLEU.
     Stage("score", "1", ("eval.splits", "eval.max_sentences", "data.source", "data.src_lang", "data.tgt_lang",
-                         "data.dev_src", "data.test_src", "data.preprocess", "model"),
-          ("translate", "encode", "average", "train", "download"),
+                         "data.dev_src", "data.test_src", "data.preprocess", "eval.attention_sentences", "model"),
+          ("translate", "encode", "average", "train", "download", "vocab"),
           "pipeline.evaluate.score:run"),
     # The scored model as a version of the MLflow Model Registry (its files and its test scores).
     Stage("register", "1", (), ("average", "vocab", "export", "score"), "pipeline.serve.register:run",

@@ -1,0 +1,67 @@
+"""What a trained model attends to: the attention weights softmax(Q K^T / sqrt(d_k)) (§3.2.1) of
+every layer and head, for one sentence pair, as the paper draws them (Figures 3-5).
+
+The model's forward pass never materializes these weights (it calls
+``F.scaled_dot_product_attention``, which returns only the weighted values). ``attention_weights``
+runs one teacher-forced forward pass of a sentence pair while each attention call also computes
+its weights from the same queries, keys, mask and scale it was given; the pass's own outputs are
+unchanged. One sentence at a time, so no padding enters any row. Torch only.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import transformer as _tr
+
+KINDS = ("encoder_self", "decoder_self", "cross")
+
+
+def _weights(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+             scale: float | None) -> torch.Tensor:
+    """(B, h, Tq, hs), (B, h, Tk, hs) -> (B, h, Tq, Tk): SDPA's softmax, explicitly (fp32)."""
+    q, k = q.float(), k.float()
+    scores = q @ k.transpose(-2, -1) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if is_causal:
+        tq, tk = scores.shape[-2:]
+        scores = scores.masked_fill(~torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return scores.softmax(-1)
+
+
+@torch.no_grad()
+def attention_weights(model: _tr.Transformer, src_ids: Sequence[int], tgt_in_ids: Sequence[int]
+                      ) -> dict[str, torch.Tensor]:
+    """One pair: ``src_ids`` = pieces + [eos], ``tgt_in_ids`` = [bos] + pieces (e.g. the model's own
+    translation). Returns {"encoder_self": (L_enc, h, S, S), "decoder_self": (L_dec, h, T, T),
+    "cross": (L_dec, h, T, S)}: row i of a map is query position i's distribution over the keys."""
+    labels: list[str] = []
+    found: dict[str, list[torch.Tensor]] = {kind: [] for kind in KINDS}
+    hooks = []
+    modules = [(layer.self_attn, "encoder_self") for layer in model.encoder_layers]
+    modules += [(m, kind) for layer in model.decoder_layers
+                for m, kind in ((layer.self_attn, "decoder_self"), (layer.cross_attn, "cross"))]
+    for module, kind in modules:
+        hooks.append(module.register_forward_pre_hook(lambda _m, _a, kind=kind: labels.append(kind)))
+
+    sdpa = _tr._sdpa
+
+    def recording_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, **kw):
+        found[labels[-1]].append(_weights(q, k, attn_mask, is_causal, scale)[0])  # (h, Tq, Tk)
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **kw)
+
+    was_training = model.training
+    model.eval()
+    _tr._sdpa = recording_sdpa
+    try:
+        device = next(model.parameters()).device
+        model(torch.tensor([list(src_ids)], device=device), torch.tensor([list(tgt_in_ids)], device=device))
+    finally:
+        _tr._sdpa = sdpa
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    return {kind: torch.stack(maps).cpu() for kind, maps in found.items()}

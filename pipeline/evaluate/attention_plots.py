@@ -1,0 +1,92 @@
+"""Heatmaps of what the averaged model attends to, for a few test sentences (``score``).
+
+For each chosen sentence, its source pieces and the model's own translation (the hypothesis
+``translate`` wrote, re-encoded) go through ``model.attention.attention_weights`` once, and two
+figures are drawn with the pieces as axis labels, one panel per layer (rows) and head (columns):
+- ``attention-<i>-cross.png``: decoder cross-attention (rows: target pieces, columns: source
+  pieces): which source words each generated word looks at;
+- ``attention-<i>-encoder.png``: encoder self-attention (source x source).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
+
+MIN_PIECES, MAX_PIECES = 5, 16  # readable axis labels: sentences of this many source pieces
+
+
+def pick_sentences(src_ids: Sequence[Sequence[int]], hyps: Sequence[str], count: int) -> list[int]:
+    """The first ``count`` positions whose source has MIN..MAX pieces and whose hypothesis is not empty."""
+    chosen = []
+    for i, (ids, hyp) in enumerate(zip(src_ids, hyps)):
+        if len(chosen) == count:
+            break
+        if MIN_PIECES <= len(ids) <= MAX_PIECES and hyp.strip():
+            chosen.append(i)
+    return chosen
+
+
+def draw(maps: Any, src_pieces: list[str], tgt_pieces: list[str], kind: str, path: Path, title: str) -> Path:
+    """One grid of heatmaps (layers x heads) of ``maps`` (L, h, Tq, Tk) to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    L, H, tq, tk = maps.shape
+    rows, cols = (tgt_pieces, src_pieces) if kind == "cross" else (src_pieces, src_pieces)
+    assert (len(rows), len(cols)) == (tq, tk), (kind, len(rows), len(cols), tq, tk)
+    size = 0.22 * max(tq, tk) + 1.2
+    fig, axes = plt.subplots(L, H, figsize=(H * size, L * size), squeeze=False)
+    for layer in range(L):
+        for head in range(H):
+            ax = axes[layer][head]
+            ax.imshow(maps[layer, head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+            ax.set_xticks(range(tk), cols, rotation=90, fontsize=6)
+            ax.set_yticks(range(tq), rows, fontsize=6)
+            ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def attention_figures(model_path: str, model_config: dict[str, Any], spm_path: str, src_ids: list[list[int]],
+                      hyps: list[str], count: int, out_dir: Path) -> list[dict[str, Any]]:
+    """Draw the maps of up to ``count`` test sentences into ``out_dir``; what was drawn (file
+    names, the sentence, its translation)."""
+    import sentencepiece as spm
+    import torch
+
+    from model.attention import attention_weights
+    from pipeline import storage
+    from pipeline.evaluate.translate import load_model
+
+    sp = spm.SentencePieceProcessor(model_file=str(storage.local_copy(spm_path)))
+    model = load_model(model_path, model_config)
+    cfg = model.cfg
+    out = []
+    if True:
+        for n, i in enumerate(pick_sentences(src_ids, hyps, count)):
+            src = list(src_ids[i]) + [cfg.eos_id]
+            tgt = [cfg.bos_id] + sp.encode(hyps[i], out_type=int)
+            maps = attention_weights(model, src, tgt)
+            src_pieces = [sp.id_to_piece(t) for t in src_ids[i]] + ["</s>"]
+            # Row t of a decoder map is the query that produces output piece t: label rows by it.
+            tgt_pieces = [sp.id_to_piece(t) for t in tgt[1:]] + ["</s>"]
+            source = sp.decode(list(src_ids[i]))
+            files = {}
+            for kind, name in (("cross", "cross"), ("encoder_self", "encoder")):
+                path = out_dir / f"attention-{n + 1}-{name}.png"
+                what = "decoder cross-attention (rows: translation, columns: source)" if kind == "cross" else \
+                    "encoder self-attention"
+                draw(maps[kind], src_pieces, tgt_pieces, kind, path, f"{what}\n{source}  ->  {hyps[i]}")
+                files[kind] = path.name
+            out.append({"index": i, "source": source, "translation": hyps[i], "files": files})
+    log.info("score: attention maps of %d test sentence(s) drawn", len(out))
+    return out

@@ -1,0 +1,80 @@
+"""configs/multi30k-tiny.toml through the whole DAG in local mode (a few steps of a smaller model):
+the Multi30k source from the offline mirror, the benchmark's preprocessing, its BLEU4 beside
+cased sacreBLEU, dev BLEU on the preprocessed dev set, and the attention heatmaps in the report
+and in MLflow. `make multi30k` is the same code path at full size."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pipeline.dag import ORDER
+from workflows import reproduce_base
+
+SMALL = [
+    "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2", "--model.n_encoder_layers=1",
+    "--model.n_decoder_layers=1", "--vocab.size=1000", "--train.precision=fp32",
+    "--train.max_steps=24", "--train.warmup_steps=8", "--train.lr_scale=1.0", "--train.tokens_per_step=1500",
+    "--train.max_tokens_per_batch=1500", "--train.checkpoint_interval_steps=12", "--train.eval_interval_steps=12",
+    "--train.log_interval_steps=4", "--train.keep_checkpoints=2", "--eval.average_last=2", "--eval.beam_size=2",
+    "--eval.max_sentences=100", "--eval.dev_bleu_sentences=100", "--eval.attention_sentences=2",
+    "--eval.max_len_b=10",
+]
+
+
+@pytest.fixture(scope="module")
+def multi30k_dir() -> Path:
+    value = os.environ.get("MULTI30K_MIRROR")
+    path = Path(value) if value else reproduce_base.REPO.parent / "shared" / "data" / "multi30k"
+    if not path.is_dir():
+        pytest.skip("MULTI30K_MIRROR is not set and ../shared/data/multi30k is absent (see README, 'Tests')")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # ~2-3 min on 2 cores
+def test_multi30k_config_end_to_end(tmp_path, multi30k_dir, capsys, monkeypatch):
+    from mlflow import MlflowClient
+
+    monkeypatch.chdir(reproduce_base.REPO)
+    work = tmp_path / "work"
+    rc = reproduce_base.main(["--config", "configs/multi30k-tiny.toml", f"--run.work_dir={work}",
+                              f"--data.mirror={multi30k_dir}", *SMALL])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+
+    client = MlflowClient(f"sqlite:///{work}/mlflow.db")
+    exp = client.get_experiment_by_name("transformer-multi30k-ende")
+    (parent,) = client.search_runs([exp.experiment_id], "attributes.run_name = 'transformer-multi30k-tiny'")
+    for key in ("test/bleu_tok_lc", "test/bleu_sacre", "test/chrf", "dev/bleu_tok_lc"):
+        assert key in parent.data.metrics, key
+    assert "test/bleu_tok_cs" not in parent.data.metrics
+    children = {c.data.tags["stage"]: c for c in
+                client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
+    assert sorted(children) == sorted(ORDER)
+    # every training pair kept (the recipe filters nothing), the test set's 1000 lines
+    prepare = json.loads(next(work.glob("prepare/*/_manifest.json")).read_text())
+    assert prepare["outputs"]["splits"]["train"]["num_rows"] == 29000
+    assert prepare["outputs"]["splits"]["test"]["num_rows"] == 1000
+    # dev BLEU per checkpoint on the preprocessed dev set, the benchmark's metric included
+    history = client.get_metric_history(children["train"].info.run_id, "dev/bleu_tok_lc")
+    assert sorted(m.step for m in history) == [12, 24]
+
+    score_dir = next(work.glob("score/*/"))
+    report = (score_dir / "report.md").read_text()
+    assert "Wu et al. 2021" in report and "BLEU4 (benchmark's lowercased tokenized text)" in report
+    assert "Partial test set" in report  # eval.max_sentences says so
+    scores = json.loads((score_dir / "scores.json").read_text())
+    assert scores["test"]["bleu_sacre_reference"] == "raw"
+    assert scores["dev"]["bleu_sacre_reference"] == "lowercase_moses, detokenized"
+    pngs = sorted(p.name for p in (score_dir / "attention").glob("*.png"))
+    assert pngs == ["attention-1-cross.png", "attention-1-encoder.png", "attention-2-cross.png",
+                    "attention-2-encoder.png"]
+    for name in pngs:
+        assert f"(attention/{name})" in report
+        assert (score_dir / "attention" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    logged = {a.path for a in client.list_artifacts(children["score"].info.run_id, "attention")}
+    assert logged == {f"attention/{n}" for n in pngs}

@@ -1,0 +1,74 @@
+"""model.attention.attention_weights: the maps a model computes, checked against torch's own
+nn.MultiheadAttention (need_weights, per head) and for the properties a softmax row must have."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from model import ModelConfig, Transformer
+from model.attention import attention_weights
+
+CFG = dict(vocab_size=50, d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=3, dropout=0.1,
+           max_positions=64)
+
+
+def _model(**kw) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(**{**CFG, **kw}))
+
+
+def test_shapes_rows_sum_to_one_and_causal():
+    model = _model()
+    src, tgt = [5, 9, 11, 7, 3], [2, 8, 13, 21]
+    maps = attention_weights(model, src, tgt)
+    assert maps["encoder_self"].shape == (2, 4, 5, 5)
+    assert maps["decoder_self"].shape == (3, 4, 4, 4)
+    assert maps["cross"].shape == (3, 4, 4, 5)
+    for m in maps.values():
+        assert torch.all(m >= 0)
+        torch.testing.assert_close(m.sum(-1), torch.ones(m.shape[:-1]))
+    upper = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    assert torch.all(maps["decoder_self"][..., upper] == 0), "a decoder query attended to a later position"
+    assert model.training, "the caller's train/eval mode is restored"
+
+
+def test_encoder_first_layer_equals_multihead_attention_weights():
+    """Layer 1's encoder self-attention = torch's MultiheadAttention weights on the same input
+    (the embedded source) with the same projections: an independent computation of softmax(QK^T/sqrt(d_k))."""
+    model = _model().eval()
+    src = [5, 9, 11, 7, 3]
+    maps = attention_weights(model, src, [2, 8])
+    d, h = CFG["d_model"], CFG["n_heads"]
+    ref = nn.MultiheadAttention(d, h, batch_first=True)
+    attn = model.encoder_layers[0].self_attn
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(attn.qkv_proj.weight)
+        ref.in_proj_bias.copy_(attn.qkv_proj.bias)
+    x = _embedded(model, src)  # the encoder's first-layer input: scaled embeddings + positions
+    _, weights = ref(x, x, x, need_weights=True, average_attn_weights=False)
+    torch.testing.assert_close(maps["encoder_self"][0], weights[0].detach(), atol=1e-5, rtol=1e-4)
+
+
+def _embedded(model: Transformer, src: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model._embed(model.src_embed, torch.tensor([src]))
+
+
+def test_outputs_unchanged_and_cross_differs_per_source():
+    model = _model().eval()
+    src, tgt = torch.tensor([[5, 9, 11, 7, 3]]), torch.tensor([[2, 8, 13]])
+    before = model(src, tgt)
+    maps = attention_weights(model, src[0].tolist(), tgt[0].tolist())
+    torch.testing.assert_close(model(src, tgt), before)  # the recording sdpa is removed again
+    other = attention_weights(model, [6, 6, 12, 3], tgt[0].tolist())
+    assert other["cross"].shape[-1] == 4 and maps["cross"].shape[-1] == 5
+
+
+@pytest.mark.parametrize("d_k,d_v", [(4, 12), (12, 4)])
+def test_unequal_head_widths(d_k, d_v):
+    """Table 3 rows A/B pad q/k (or v) to a common head width: the maps are still distributions."""
+    maps = attention_weights(_model(d_k=d_k, d_v=d_v), [5, 9, 3], [2, 8, 13])
+    for m in maps.values():
+        torch.testing.assert_close(m.sum(-1), torch.ones(m.shape[:-1]))
