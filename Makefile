@@ -12,12 +12,12 @@ export WMT14_MIRROR
 SHARED_MULTI30K := $(abspath ../shared/data/multi30k)
 MULTI30K_MIRROR ?= $(if $(wildcard $(SHARED_MULTI30K)),$(SHARED_MULTI30K),)
 export MULTI30K_MIRROR
-MULTI30K_CONFIG ?= configs/multi30k-tiny-fast.toml
+MULTI30K_CONFIG ?= configs/multi30k-fast.toml
 CONFIG ?= configs/local.toml
 ARGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: install run multi30k plan test test-unit ui bench clean
+.PHONY: install run multi30k plan test test-unit test-slow ui bench clean
 
 install: $(VENV)/.installed
 
@@ -38,11 +38,28 @@ multi30k: install
 plan: install
 	$(BIN)/python workflows/reproduce_base.py --config $(CONFIG) $(if $(WMT14_MIRROR),--data.mirror=$(WMT14_MIRROR),) --plan $(ARGS)
 
+# Two tiers: the fast one first (a failure stops here, in seconds), then the rest; each prints its
+# 25 slowest tests, and the total wall time comes last. Every test has a bound (pytest-timeout,
+# pyproject.toml).
+PYTEST_TIERS := --durations=25
+
 test: install
-	$(BIN)/python -m pytest tests
+	@t0=$$(date +%s); \
+	echo "== fast tier (make test-unit): tests/unit, not slow =="; \
+	$(BIN)/python -m pytest tests/unit -m "not slow" $(PYTEST_TIERS) || { echo "== fast tier failed: slow tier not run =="; exit 1; }; \
+	t1=$$(date +%s); \
+	echo "== slow tier (make test-slow): the rest =="; \
+	$(BIN)/python -m pytest tests -m "not fast" $(PYTEST_TIERS); rc=$$?; \
+	t2=$$(date +%s); \
+	echo "== make test: fast tier $$((t1 - t0)) s, slow tier $$((t2 - t1)) s, total $$((t2 - t0)) s (exit $$rc) =="; \
+	exit $$rc
 
 test-unit: install
-	$(BIN)/python -m pytest tests/unit -m "not slow"
+	$(BIN)/python -m pytest tests/unit -m "not slow" $(PYTEST_TIERS)
+
+# Everything `test-unit` does not run: tests/integration and the unit tests marked slow.
+test-slow: install
+	$(BIN)/python -m pytest tests -m "not fast" $(PYTEST_TIERS)
 
 ui: install
 	@echo "MLflow 3.17 opens on its GenAI view: pick 'Model training' (top left; remembered by the browser) or open"

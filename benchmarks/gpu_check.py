@@ -7,8 +7,13 @@ section that overruns it); a section that cannot run says why. Prints a table an
 
 - train base / big, bf16, eager and torch.compile'd: the real loop (`pipeline.train.loop.Trainer`)
   on synthetic shards with WMT14-like lengths at 25k target tokens per step, accum 1: target
-  tokens/s of the second (warm) half and MFU against --peak-flops (model FLOPs = 6 x the matmul
-  parameters each real token passes through, attention scores left out: a lower bound);
+  tokens/s of the second (warm) half and MFU against --peak-flops, twice: `mfu_pct` (model FLOPs =
+  6 x the matmul parameters each real token passes through, attention scores left out: a lower
+  bound) and `mfu_counted_pct` (FLOPs counted by torch's FlopCounterMode on the steps measured,
+  pipeline/train/flops.py: the MFU `--plan --mfu-from gpu_check.json` bills with); compiled rows
+  also give `compiled_graphs`, the graphs torch.compile built (first compile + recompiles +
+  graph-break pieces; pipeline/train/compiled.py): a count that grows with the steps would mean a
+  recompile per batch shape;
 - host syncs per step (`torch.cuda.set_sync_debug_mode("warn")`), plain and log+checkpoint steps;
 - the loop's stall per checkpoint (`checkpoint.save` to local disk; uploads run in the background);
 - the largest `train.max_tokens_per_batch` that fits for base and big: a fwd + bwd + Adam step on
@@ -47,6 +52,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from model import ModelConfig  # noqa: E402
 from pipeline.config import Config  # noqa: E402
+from pipeline.train import batching  # noqa: E402
+from pipeline.train.flops import MicroShape, count_step_flops  # noqa: E402
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer  # noqa: E402
 import scale_bench  # noqa: E402
 from gpu_sections import checkpoint_stall, count_syncs, ddp_section, decode_section, fit_section  # noqa: E402
@@ -168,7 +175,21 @@ def train(pr: Profile, size: str, compile_: bool, train_dir: Path, work: Path) -
     src_per_tgt = summary["tokens_seen"]["src"] / max(summary["tokens_seen"]["tgt"], 1)
     step_flops = model_flops_per_step(mc, int(pr.tokens_per_step * src_per_tgt), pr.tokens_per_step)
     return {"tgt_tokens_per_s": tps, "model_flops_per_step": step_flops, "precision": trainer.precision,
-            "params": sum(p.numel() for p in trainer.model.parameters()), "steps": steps}, trainer
+            "params": sum(p.numel() for p in trainer.model.parameters()), "steps": steps,
+            "counted_flops_per_tgt_token": counted_flops_per_tgt_token(trainer, mc, steps),
+            "compiled_graphs": trainer.compiler.num_graphs if trainer.compiler is not None else None}, trainer
+
+
+def counted_flops_per_tgt_token(trainer: Trainer, mc: ModelConfig, steps: int, sample: int = 6) -> float:
+    """FlopCounterMode's FLOPs per target token (pipeline/train/flops.py, meta device) over up to
+    `sample` of the measured (second-half) steps, split as the loop split them."""
+    d, tc = trainer.train_data, trainer.tc
+    plan = trainer._plan(0)[steps // 2:steps][:sample]
+    micro = [[MicroShape.of(d.src_len[c], d.tgt_len[c]) for c in
+              batching.split_step(g, d.src_len, d.tgt_len, 1, tc.max_tokens_per_batch).chunks[0] if len(c)]
+             for g in plan]
+    flops = sum(count_step_flops(mc, m, tc.label_smoothing) for m in micro)
+    return flops / max(sum(x.Mt for m in micro for x in m), 1)
 
 
 def present(module: str) -> bool:
@@ -219,13 +240,17 @@ def main(argv: list[str] | None = None) -> int:
                 res, trainer = train(pr, size, compile_, train_dir, work)
                 res["mfu_pct"] = 100 * res["model_flops_per_step"] * res["tgt_tokens_per_s"] / pr.tokens_per_step \
                     / args.peak_flops
+                res["mfu_counted_pct"] = 100 * res["counted_flops_per_tgt_token"] * res["tgt_tokens_per_s"] \
+                    / args.peak_flops
                 if size == "base" and not compile_:
                     held["trainer"], held["tps"] = trainer, res["tgt_tokens_per_s"]
                 else:
                     del trainer
                     _free(pr)
+                graphs = f", {res['compiled_graphs']} compiled graph(s)" if compile_ else ""
                 return res, (f"{res['tgt_tokens_per_s']:,.0f} tgt tok/s, MFU {res['mfu_pct']:.1f}% "
-                             f"({res['precision']}, {res['params'] / 1e6:.0f}M params, {res['steps']} steps)")
+                             f"(counted FLOPs: {res['mfu_counted_pct']:.1f}%) ({res['precision']}, "
+                             f"{res['params'] / 1e6:.0f}M params, {res['steps']} steps{graphs})")
             return fn
 
         def needs_trainer(fn):

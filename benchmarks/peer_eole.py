@@ -102,7 +102,8 @@ def ensure_eole(venv: Path) -> dict[str, str]:
     log(f"installing torch=={TORCH_VERSION} first (pip takes the local CPU wheel), then eole=={EOLE_VERSION}")
     subprocess.run(pip + [f"torch=={TORCH_VERSION}"], check=True)
     torch_before = (venv_versions(venv) or {}).get("torch", "")
-    subprocess.run(pip + [f"eole=={EOLE_VERSION}"], check=True)
+    # eole 0.6.4's CLI imports aiohttp (eole/bin/tools/load_test.py) without declaring it.
+    subprocess.run(pip + [f"eole=={EOLE_VERSION}", "aiohttp"], check=True)
     have = venv_versions(venv) or {}
     if have.get("torch") != torch_before:
         raise SystemExit(f"pip replaced torch {torch_before} with {have.get('torch')} when installing eole")

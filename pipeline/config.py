@@ -28,6 +28,12 @@ def op(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
     return field(default=default, metadata={"cache": False}, **kw)
 
 
+def keyed_if_set(default: Any) -> Any:
+    """A field in the cache key only when it differs from its default (`default` = the behaviour
+    runs had before the field existed): adding it changes no existing key."""
+    return field(default=default, metadata={"cache": "if_set"})
+
+
 @dataclass
 class DataConfig:
     """Where the parallel text comes from and how it is cleaned (``download``, ``prepare``)."""
@@ -178,6 +184,17 @@ class TrainConfig:
     # step boundary if a step + a save fit in this many seconds, then the group stops and the run
     # resumes there (pipeline.train.preemption). 0 = off: SIGTERM ends the worker at once.
     preemption_grace_s: float = op(25.0)
+    # Early stopping, off by default (the paper trains a fixed train.max_steps, §5.3): stop when
+    # early_stop_metric has not improved for this many validations in a row (fairseq --patience,
+    # Marian --early-stopping). "dev_bleu": each checkpoint's dev sacreBLEU (eval.dev_bleu, seen
+    # when its validation task ends); "val_loss": the dev loss every train.eval_interval_steps.
+    early_stop_patience: int = keyed_if_set(0)
+    early_stop_metric: str = keyed_if_set("dev_bleu")
+    # The bill --plan prints (pipeline/train/bill.py): the GPU each worker has, and the MFU it
+    # assumes unless a benchmarks/gpu_check.sh JSON (mfu_from, or --mfu-from) measured one.
+    gpu_type: str = op("A100")
+    mfu_from: str = op("")
+    assumed_mfu: float = op(0.3)
 
     def validate(self) -> None:
         if isinstance(self.num_workers, list):
@@ -209,6 +226,10 @@ class TrainConfig:
         _check(self.checkpoint_upload in ("async", "sync"), "train.checkpoint_upload", "must be async or sync")
         _check(self.checkpoint_upload_retry_s >= 0, "train.checkpoint_upload_retry_s", "must be >= 0 (0 = no retry)")
         _check(self.preemption_grace_s >= 0, "train.preemption_grace_s", "must be >= 0 (0 = off)")
+        _check(self.early_stop_patience >= 0, "train.early_stop_patience", "must be >= 0 (0 = off)")
+        _check(self.early_stop_metric in ("dev_bleu", "val_loss"), "train.early_stop_metric",
+               "must be 'dev_bleu' or 'val_loss'")
+        _check(0.0 < self.assumed_mfu <= 1.0, "train.assumed_mfu", "must be in (0, 1] (0.3 = 30%)")
 
 
 @dataclass
@@ -258,6 +279,9 @@ class EvalConfig(DecodeSettings):
     # Which checkpoints `average` averages: "last" (§6.1: the last eval.average_last) or
     # "best_dev_bleu" (the eval.average_last kept checkpoints with the highest dev sacreBLEU).
     average_select: str = "last"
+    # Heatmaps of the averaged model's attention (encoder self, decoder cross; every layer and head)
+    # for the first N short test sentences, drawn by `score` beside its report and logged to MLflow.
+    attention_sentences: int = 3
     # Dev BLEU per registered checkpoint while training runs (Ray Train's asynchronous validation,
     # pipeline/evaluate/dev_bleu.py). Operational for `train` (no key reads the eval section);
     # the four settings below decide the numbers, so `average` keys on them when it selects by them.
@@ -278,6 +302,7 @@ class EvalConfig(DecodeSettings):
         _check(self.batch_tokens > 0, "eval.batch_tokens", "must be > 0")
         _check(self.num_workers >= 1, "eval.num_workers", "must be >= 1")
         _check(self.max_sentences >= 0, "eval.max_sentences", "must be >= 0 (0 = all)")
+        _check(self.attention_sentences >= 0, "eval.attention_sentences", "must be >= 0 (0 = none)")
         _check(bool(self.splits) and set(self.splits) <= {"test", "dev"}, "eval.splits",
                "must be a non-empty subset of ['test', 'dev']")
         _check(self.average_select in ("last", "best_dev_bleu"), "eval.average_select",
@@ -340,6 +365,9 @@ class Config:
                 section.validate()
         _check(self.train.keep_checkpoints >= self.eval.average_last, "train.keep_checkpoints",
                f"must be >= eval.average_last ({self.eval.average_last}) so averaging has its checkpoints")
+        _check(not (self.train.early_stop_patience and self.train.early_stop_metric == "dev_bleu")
+               or self.eval.dev_bleu, "train.early_stop_metric",
+               "'dev_bleu' needs eval.dev_bleu = true (or use 'val_loss')")
         self._check_no_credentials()
         return self
 
@@ -360,7 +388,8 @@ class Config:
         """The values of one section that change a stage's output (``cache=False`` fields left out)."""
         section = getattr(self, name)
         return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
-                if f.metadata.get("cache", True)}
+                if f.metadata.get("cache", True) is True
+                or (f.metadata.get("cache") == "if_set" and getattr(section, f.name) != f.default)}
 
 
 # scheme://<anything but / ? # @>@...: a user, a key or a user:secret pair before the host.

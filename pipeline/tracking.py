@@ -6,7 +6,9 @@ stage reruns (see `Tracking`), and a small nested run for each stage served from
 Embedded default: a SQLite store under the work dir (MLflow's file store is in maintenance mode
 in 3.x) with artifacts beside it; ``tracking.uri`` / ``MLFLOW_TRACKING_URI`` name a server.
 Ray workers log through ``RunLogger`` (picklable: a URI and a run id); the training loop's
-metrics go through ``BufferedRunLogger``, whose thread does the waiting when the server is away.
+metrics go through ``BufferedRunLogger``, whose thread does the waiting when the server is away;
+what it still holds when training ends goes to a ``MetricSpool`` beside the checkpoints, which the
+driver (``deliver_spool``: the train stage, the next invocation's start) delivers.
 The driver's calls wait at most ``tracking.timeout_s`` for a server (``TrackingUnavailable``).
 """
 
@@ -23,6 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
@@ -210,6 +213,19 @@ class RunLogger:
             raise
         self._last_step.update(sent)
 
+    def _send_all(self, client: Any, points: list[tuple[float, int | None, dict[str, float]]],
+                  batch_points: int = 100) -> None:
+        """`_send` in batches of `batch_points`, in order."""
+        for i in range(0, len(points), batch_points):
+            self._send(client, points[i:i + batch_points])
+
+    def _add_dropped(self, client: Any, n: int) -> None:
+        """Add `n` to the run's count of dropped points (tag `tracking/dropped_points`)."""
+        if n <= 0:
+            return
+        held = client.get_run(self.run_id).data.tags.get(DROPPED_TAG, "0")
+        client.set_tag(self.run_id, DROPPED_TAG, str(int(held) + n))
+
     def _logged_up_to(self, client: Any, key: str) -> int:
         """The highest step of `key` in the run (-1: none), read from MLflow once per process."""
         if key not in self._last_step:
@@ -251,6 +267,97 @@ class RunLogger:
             self.log_artifact(str(local), artifact_path)
 
 
+DROPPED_TAG = "tracking/dropped_points"
+SPOOL_FOLDER = "tracking_spool"
+Point = tuple[float, "int | None", dict[str, float]]  # (time, step, metrics), as logged
+
+
+def spool_dir_for(cfg: Config) -> str:
+    """Where undelivered metric points wait: beside the runs' checkpoints (Ray Train's storage
+    path, as `pipeline.train.resume.storage_path_for` names it), which every node reads and which
+    outlives the worker that logged them."""
+    ckpts = storage.absolute(cfg.run.storage_path or storage.join(cfg.run.work_dir, "ray_train"))
+    return storage.join(ckpts, SPOOL_FOLDER)
+
+
+class MetricSpool:
+    """The metric points of one run that a `BufferedRunLogger` could not deliver before it closed.
+
+    JSONL files ``<root>/<run_id>/<time_ns>-<pid>-<random>.jsonl``, each written whole (temp file +
+    rename locally, one PUT on an object store), their names in writing order. A file's first line
+    is a header ({"run_id", "tracking_uri", "dropped"}: points dropped and not yet counted in the
+    run's tag), then one point per line ({"time", "step", "metrics"}) in logging order. A later file
+    may repeat an earlier one's points (a logger that loaded them and closed again writes them
+    before it removes the old files): delivery sends each (key, step) at most once, so a repeat, or
+    a delivery run twice, adds no point."""
+
+    def __init__(self, root: str, run_id: str):
+        self.root, self.run_id = root, run_id
+        self.dir = storage.join(root, run_id)
+
+    def files(self) -> list[str]:
+        return [storage.join(self.dir, name) for name, _ in storage.list_files(self.dir)
+                if name.endswith(".jsonl") and "/" not in name and not name.startswith(".")]
+
+    def write(self, points: list[Point], dropped: int, tracking_uri: str | None) -> str:
+        name = f"{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+        lines = [json.dumps({"run_id": self.run_id, "tracking_uri": tracking_uri, "dropped": int(dropped)})]
+        lines += [json.dumps({"time": t, "step": step, "metrics": m}) for t, step, m in points]
+        uri = storage.join(self.dir, name)
+        storage.write_text(uri, "\n".join(lines) + "\n")
+        return uri
+
+    def read(self) -> tuple[list[str], list[Point], int]:
+        """The files, their points (oldest file first) and their dropped counts summed."""
+        files, points, dropped = self.files(), [], 0
+        for uri in files:
+            lines = [line for line in storage.read_text(uri).splitlines() if line.strip()]
+            dropped += int(json.loads(lines[0]).get("dropped", 0))
+            for line in lines[1:]:
+                p = json.loads(line)
+                points.append((float(p["time"]), p["step"], p["metrics"]))
+        return files, points, dropped
+
+    @staticmethod
+    def remove(files: list[str]) -> None:
+        for uri in files:
+            storage.rmtree(uri)
+
+
+def spooled_run_ids(root: str) -> list[str]:
+    """The runs with spooled points under `root`."""
+    return sorted({name.split("/", 1)[0] for name, _ in storage.list_files(root)
+                   if name.endswith(".jsonl") and name.count("/") == 1})
+
+
+def deliver_spool(root: str, tracking_uri: str | None, run_id: str | None, timeout_s: float = 300.0) -> int:
+    """Deliver the run's spooled points to its MLflow run, in logging order, each (key, step) at
+    most once, and remove the files; the number of points that were pending (0: none). A server
+    still away leaves them where they are, for the next invocation (a warning says so)."""
+    if not run_id or not root:
+        return 0
+    spool = MetricSpool(root, run_id)
+    try:
+        files, points, dropped = spool.read()
+    except Exception as e:  # noqa: BLE001 (the spool's storage is away: the next invocation tries again)
+        log.warning("tracking: could not read the metric spool %s (%s)", spool.dir, _short(e))
+        return 0
+    if not files:
+        return 0
+    logger = RunLogger(tracking_uri, run_id, timeout_s)
+    try:
+        logger._send_all(logger.client, points)
+        logger._add_dropped(logger.client, dropped)
+    except Exception as e:  # noqa: BLE001 (any store error: the files stay for the next try)
+        log.warning("tracking: %d metric point(s) of run %s are still spooled in %s (MLflow did not take "
+                    "them: %s); the next invocation delivers them", len(points), run_id, spool.dir, _short(e))
+        return len(points)
+    spool.remove(files)
+    log.info("tracking: delivered %d metric point(s) of run %s that were pending in %s", len(points), run_id,
+             spool.dir)
+    return len(points)
+
+
 class BufferedRunLogger(RunLogger):
     """`log_metrics` returns at once: the points wait in a queue that one thread delivers, in
     logging order, in batches; the waiting for a server that is away happens there.
@@ -259,25 +366,38 @@ class BufferedRunLogger(RunLogger):
     ..._BACKOFF_FACTOR), and when those run out it keeps the batch at the head of the queue and
     tries again every `retry_s`, so an outage of any length up to `buffer_s` loses nothing.
     Points older than `buffer_s` (or past `max_points`) are dropped oldest first, with a warning;
-    the count goes to the run's tag `tracking/dropped_points` once the server answers again. A
+    the count is added to the run's tag `tracking/dropped_points` once the server answers again. A
     point is sent at most once per (key, step): after a failed call the thread re-reads what the
     run holds (a lost answer to a stored batch is not stored twice). Not thread-safe for several
-    loggers of one run in one process (the loop has one, on rank 0)."""
+    loggers of one run in one process (the loop has one, on rank 0).
 
-    DROPPED_TAG = "tracking/dropped_points"
+    With `spool_dir`, nothing is lost when training ends during an outage: `close` writes what is
+    still queued to a `MetricSpool` there, and the next logger of the run (a restarted worker)
+    queues those points first, before its own, or the driver delivers them (`deliver_spool`).
+    Spooled points are on disk: the buffer's limits never drop them."""
+
+    DROPPED_TAG = DROPPED_TAG
 
     def __init__(self, tracking_uri: str | None, run_id: str | None, buffer_s: float = 1800.0,
-                 retry_s: float = 5.0, max_points: int = 200_000, batch_points: int = 100):
+                 retry_s: float = 5.0, max_points: int = 200_000, batch_points: int = 100,
+                 spool_dir: str | None = None):
         super().__init__(tracking_uri, run_id)
         self.buffer_s, self.retry_s, self.max_points, self.batch_points = buffer_s, retry_s, max_points, batch_points
-        self._queue: deque[tuple[int, float, int | None, dict[str, float]]] = deque()  # seq, time, step, metrics
+        # seq, time, step, metrics; points loaded from the spool lead, with seq < 0
+        self._queue: deque[tuple[int, float, int | None, dict[str, float]]] = deque()
         self._seq = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closing = False
+        self._stopped = False  # close() gave up waiting: the thread stops at its next turn
         self.dropped = 0
         self._dropped_tagged = 0
         self._down_since: float | None = None
+        self.spool = MetricSpool(spool_dir, run_id) if spool_dir and run_id else None
+        self._spool_loaded = False
+        self._spool_files: list[str] = []  # loaded into the queue; removed once their points are delivered
+        self._spooled_queued = 0  # the queue's leading points that came from the spool
+        self.spooled = 0  # points written to the spool by close()
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("BufferedRunLogger holds a thread: make one per process (pickle a RunLogger)")
@@ -290,8 +410,9 @@ class BufferedRunLogger(RunLogger):
                 raise RuntimeError("BufferedRunLogger is closed")
             self._seq += 1
             self._queue.append((self._seq, time.time(), step, dict(metrics)))
-            if len(self._queue) > self.max_points:
-                self._drop(len(self._queue) - self.max_points, f"more than {self.max_points} points waiting")
+            waiting = len(self._queue) - self._spooled_queued
+            if waiting > self.max_points:
+                self._drop(waiting - self.max_points, f"more than {self.max_points} points waiting")
             self._cond.notify()
         if self._thread is None:
             self._thread = threading.Thread(target=self._deliver, name="mlflow-metrics", daemon=True)
@@ -302,37 +423,89 @@ class BufferedRunLogger(RunLogger):
             return len(self._queue)
 
     def close(self, timeout_s: float = 60.0) -> bool:
-        """Deliver what is queued, waiting at most `timeout_s`; True when nothing is left."""
+        """Deliver what is queued, waiting at most `timeout_s`; True when nothing is left. What is
+        left goes to the spool (when there is one), else it is lost (a warning says which)."""
         with self._cond:
             self._closing = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        left = self.pending()
+        with self._cond:
+            self._stopped = True  # a thread still trying stops at its next turn
+            left = [p[1:] for p in self._queue]
+            undelivered_drops = self.dropped - self._dropped_tagged
+            old_files = list(self._spool_files)
+        if not left and not undelivered_drops:
+            return True
+        if self.spool is not None:
+            try:
+                uri = self.spool.write(left, undelivered_drops, self.tracking_uri)
+                MetricSpool.remove(old_files)  # their points are in the new file
+            except Exception as e:  # noqa: BLE001 (the spool's storage failed too)
+                log.warning("tracking: %d metric point(s) not delivered to MLflow server %s and not spooled in "
+                            "%s (%s); they are lost", len(left), self.tracking_uri, self.spool.dir, _short(e))
+                return False
+            self.spooled = len(left)
+            log.warning("tracking: %d metric point(s) not delivered to MLflow server %s (still away after %.0f s "
+                        "at the end of training); spooled in %s: the driver delivers them when the server is "
+                        "back", len(left), self.tracking_uri, timeout_s, uri)
+            return not left
         if left:
             log.warning("tracking: %d metric point(s) not delivered to MLflow server %s (still away after "
-                        "%.0f s at the end of training); they are lost", left, self.tracking_uri, timeout_s)
-        return left == 0
+                        "%.0f s at the end of training); they are lost", len(left), self.tracking_uri, timeout_s)
+        return not left
 
     def _drop(self, n: int, why: str) -> None:
-        """Drop the `n` oldest points (the caller holds the lock)."""
+        """Drop the `n` oldest points the buffer holds (the caller holds the lock); the spooled
+        points that lead the queue stay."""
         for _ in range(n):
-            self._queue.popleft()
+            if self._spooled_queued:
+                del self._queue[self._spooled_queued]
+            else:
+                self._queue.popleft()
         self.dropped += n
         log.warning("tracking: dropped the %d oldest metric point(s) (%s; %d dropped in all)", n, why, self.dropped)
+
+    def _load_spool(self) -> None:
+        """Queue the run's spooled points ahead of this logger's own (the thread, once)."""
+        self._spool_loaded = True
+        if self.spool is None:
+            return
+        try:
+            files, points, dropped = self.spool.read()
+        except Exception as e:  # noqa: BLE001 (the spool's storage is away: the driver delivers them)
+            log.warning("tracking: could not read the metric spool %s (%s); the driver delivers it later",
+                        self.spool.dir, _short(e))
+            return
+        if not files:
+            return
+        with self._cond:
+            for i, (t, step, m) in enumerate(reversed(points)):
+                self._queue.appendleft((-1 - i, t, step, m))
+            self._spooled_queued = len(points)
+            self._spool_files = files
+            self.dropped += dropped
+        log.info("tracking: %d metric point(s) spooled by an earlier worker of run %s go first", len(points),
+                 self.run_id)
 
     def _deliver(self) -> None:
         client = None
         while True:
+            if not self._spool_loaded:
+                self._load_spool()
             with self._cond:
                 while not self._queue and not self._closing:
                     self._cond.wait()
-                if not self._queue:
+                if not self._queue or self._stopped:
                     return
                 cutoff = time.time() - self.buffer_s
-                old = next((i for i, p in enumerate(self._queue) if p[1] >= cutoff), len(self._queue))
+                s = self._spooled_queued
+                old = next((i for i, p in enumerate(itertools.islice(self._queue, s, None)) if p[1] >= cutoff),
+                           len(self._queue) - s)
                 if old:
                     self._drop(old, f"older than tracking.buffer_s={self.buffer_s:g} s")
+                if not self._queue:
+                    continue
                 points = list(itertools.islice(self._queue, self.batch_points))
             try:
                 if client is None:
@@ -341,8 +514,9 @@ class BufferedRunLogger(RunLogger):
                     client = MlflowClient(self.tracking_uri)
                 self._send(client, [p[1:] for p in points])
                 if self.dropped > self._dropped_tagged:
-                    client.set_tag(self.run_id, self.DROPPED_TAG, str(self.dropped))
-                    self._dropped_tagged = self.dropped
+                    n = self.dropped
+                    self._add_dropped(client, n - self._dropped_tagged)
+                    self._dropped_tagged = n
             except Exception as e:  # noqa: BLE001 (any store error: keep the points, try again)
                 self._on_failure(e)
                 with self._cond:
@@ -353,12 +527,24 @@ class BufferedRunLogger(RunLogger):
                 continue
             with self._cond:
                 while self._queue and self._queue[0][0] <= points[-1][0]:
-                    self._queue.popleft()
+                    if self._queue.popleft()[0] < 0:
+                        self._spooled_queued -= 1
+                done_files = self._spool_files if not self._spooled_queued and not self._stopped else []
+                if done_files:
+                    self._spool_files = []
+            if done_files:
+                self._remove_spooled(done_files)
             if self._down_since is not None:
                 log.warning("tracking: MLflow server %s answers again after %.0f s; delivering the buffered "
                             "metrics (%d point(s) still queued)", self.tracking_uri,
                             time.time() - self._down_since, self.pending())
                 self._down_since = None
+
+    def _remove_spooled(self, files: list[str]) -> None:
+        try:
+            MetricSpool.remove(files)
+        except Exception as e:  # noqa: BLE001 (left on disk: a later delivery skips what the run holds)
+            log.warning("tracking: could not remove the delivered metric spool files %s (%s)", files, _short(e))
 
     def _on_failure(self, e: Exception) -> None:
         if self._down_since is None:
@@ -437,7 +623,32 @@ class Tracking:
             ended.append(run.info.run_id)
             log.warning("tracking: ended MLflow run %s (%s) as KILLED: %s", run.info.run_id,
                         run.info.run_name, reason)
+        self.deliver_spools()
         return ended
+
+    def deliver_spools(self) -> int:
+        """Deliver the metric points that workers spooled when training ended during an outage
+        (`BufferedRunLogger`) and no one has delivered since; how many there were. Runs still
+        RUNNING are left to their own stage. Never fails the invocation: what the server does not
+        take stays spooled (a warning says so)."""
+        if not self.enabled:
+            return 0
+        root = spool_dir_for(self.cfg)
+        try:
+            run_ids = spooled_run_ids(root)
+        except Exception as e:  # noqa: BLE001 (the storage is away: the next invocation tries again)
+            log.warning("tracking: could not list the metric spool %s (%s)", root, _short(e))
+            return 0
+        total = 0
+        for run_id in run_ids:
+            try:
+                status = self._client().get_run(run_id).info.status
+            except Exception as e:  # noqa: BLE001 (a run of another store, deleted, or the server is away)
+                log.warning("tracking: spooled metrics of run %s stay in %s (%s)", run_id, root, _short(e))
+                continue
+            if status != "RUNNING":
+                total += deliver_spool(root, self.uri, run_id, self.timeout_s)
+        return total
 
     def _base_tags(self) -> dict[str, str]:
         return {"git_commit": git_commit(), "work_dir": self.work_dir, "driver": self.driver, **self.tags}

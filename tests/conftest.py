@@ -51,3 +51,12 @@ def ray_local():
         start_local_ray(num_cpus=2, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the fast tier: every test under tests/unit/ not marked slow gets `fast`, so that
+    `pytest tests -m "not fast"` is the slow tier (the rest) without re-running the fast one."""
+    unit = REPO / "tests" / "unit"
+    for item in items:
+        if Path(item.path).is_relative_to(unit) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.fast)

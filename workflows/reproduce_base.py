@@ -37,7 +37,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--config", action="append", default=None,
                    help="TOML file (configs/base.toml, configs/local.toml, ...); repeatable: later files "
                         "override earlier ones, e.g. --config configs/big.toml --config configs/cluster-overlay.toml")
-    p.add_argument("--plan", action="store_true", help="print each stage as cached / to run and why; run nothing")
+    p.add_argument("--plan", action="store_true", help="print each stage as cached / to run and why, and the "
+                   "train stage's bill (FLOPs per step, hours and GPU-hours); run nothing")
+    p.add_argument("--mfu-from", default="", metavar="FILE",
+                   help="the bill's MFU from a benchmarks/gpu_check.sh JSON (default: train.mfu_from, else the "
+                        "assumed train.assumed_mfu)")
     p.add_argument("--only", choices=ORDER, help="run just this stage (its inputs must be cached)")
     p.add_argument("--from", dest="from_", choices=ORDER, help="rerun this stage and everything after it")
     p.add_argument("--to", choices=ORDER, help="stop after this stage (e.g. --to encode prepares the data only)")
@@ -69,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.train.size import num_parameters
 
         print(f"model: {num_parameters(cfg) / 1e6:.1f}M parameters at vocab.size {cfg.vocab.size}", flush=True)
+        try:
+            print("\n" + runner.format_bill(cfg, plans, args.mfu_from), flush=True)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     if all(p.action != "run" for p in plans):
         log.info("every selected stage is cached: nothing to run")

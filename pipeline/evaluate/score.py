@@ -133,6 +133,7 @@ def render_report(scores: dict[str, dict[str, Any]], facts: dict[str, dict[str, 
             f"{'last' if avg.get('average_select', 'last') == 'last' else 'best-dev-BLEU'} {len(averaged)} checkpoint(s) "
             f"(steps {avg.get('steps')}); the paper averages 5 (base) / 20 (big), §6.1",
             _compute_line(train, setup["size"]),
+            *_early_stop_lines(train),
             f"- decoding: beam {dec.get('beam_size')}, alpha {dec.get('alpha')}, max length "
             f"{dec.get('max_len_a')} * source + {dec.get('max_len_b')} (§6.1: 4, 0.6, source + 50); "
             f"engine: {dec.get('backend', 'torch')} (eval.backend)"]
@@ -169,6 +170,17 @@ def _tokenized_note(lang: str, cs: bool, preprocess: str = "none") -> str:
             "no EN-FR scoring script: its get_ende_bleu.sh is for German only).")
 
 
+def _early_stop_lines(train: dict[str, Any]) -> list[str]:
+    """The report's line when early stopping ended training (train's ``early_stop`` output)."""
+    e = train.get("early_stop")
+    if not e:
+        return []
+    best = f"{e['best']:.4f}" if isinstance(e.get("best"), (int, float)) else "?"
+    return [f"- **stopped early** at step {e['step']} of train.max_steps = {e['max_steps']}: {e['metric']} did not "
+            f"improve for {e['num_bad']} validation(s) (train.early_stop_patience = {e['patience']}; best {best} at "
+            f"step {e['best_step']})"]
+
+
 def _compute_line(c: dict[str, Any], size: str | None) -> str:
     if not c.get("wall_s"):
         return "- training compute: not recorded"
@@ -196,6 +208,45 @@ def raw_references(ctx: StageContext, split: str, num_refs: int) -> list[str] | 
     return lines
 
 
+def _attention(ctx: StageContext) -> list[dict[str, Any]]:
+    """Attention heatmaps of the first ``eval.attention_sentences`` short test sentences, from the
+    averaged model and its own translations (``pipeline.evaluate.attention_plots``), beside the report."""
+    count = ctx.cfg.eval.attention_sentences
+    if not count:
+        return []
+    import tempfile
+    from pathlib import Path
+
+    from pipeline.evaluate.attention_plots import attention_figures
+
+    enc, avg = ctx.inputs["encode"].outputs, ctx.inputs["average"].outputs
+    df = read_split(enc["splits"]["test"]["dir"], ["idx", "src_ids"])
+    if ctx.cfg.eval.max_sentences:
+        df = df.iloc[:ctx.cfg.eval.max_sentences]
+    hyps = read_hyps(ctx.inputs["translate"].outputs["splits"]["test"]["hyps"], len(df))
+    with tempfile.TemporaryDirectory(prefix="attention-") as tmp:
+        figures = attention_figures(avg["model"], avg["model_config"], ctx.inputs["vocab"].outputs["model"],
+                                    [list(map(int, ids)) for ids in df["src_ids"]], hyps, count, Path(tmp))
+        for fig in figures:
+            for name in fig["files"].values():
+                storage.upload(Path(tmp) / name, storage.absolute(storage.join(ctx.out_dir, "attention", name)))
+    return figures
+
+
+def attention_lines(figures: list[dict[str, Any]]) -> str:
+    if not figures:
+        return ""
+    out = ["## What the model attends to", "",
+           "Attention weights of the averaged model for a few test sentences and its own translations "
+           "(every layer and head; `eval.attention_sentences`), drawn by pipeline/evaluate/attention_plots.py "
+           "into `attention/` beside this report (and the score run's MLflow artifacts):", ""]
+    for n, fig in enumerate(figures, 1):
+        out += [f"{n}. {fig['source']} -> {fig['translation']}",
+                f"   [decoder cross-attention](attention/{fig['files']['cross']}), "
+                f"[encoder self-attention](attention/{fig['files']['encoder_self']})"]
+    return "\n".join(out) + "\n"
+
+
 def run(ctx: StageContext) -> StageResult:
     tr, enc = ctx.inputs["translate"].outputs, ctx.inputs["encode"].outputs
     setup = setup_of(ctx.cfg)
@@ -221,6 +272,8 @@ def run(ctx: StageContext) -> StageResult:
 
     report = render_report(scores, {name: ctx.inputs[name].outputs for name in ("train", "average", "translate")},
                            setup)
+    figures = _attention(ctx) if "test" in scores else []
+    report += attention_lines(figures)
     if ctx.cfg.eval.max_sentences:
         report = (f"> **Partial test set**: only the first {ctx.cfg.eval.max_sentences} sentences of each split "
                   "were decoded and scored (`eval.max_sentences`); these numbers are NOT comparable with "
@@ -232,8 +285,12 @@ def run(ctx: StageContext) -> StageResult:
     ctx.tracker.log_text(json.dumps(scores, indent=2, sort_keys=True), "scores.json")
     ctx.tracker.log_text(report, "report.md")
     ctx.tracker.set_tags({f"{split}/sacrebleu_signature": s["sacrebleu_signature"] for split, s in scores.items()})
+    for fig in figures:
+        for name in fig["files"].values():
+            uri = storage.absolute(storage.join(ctx.out_dir, "attention", name))
+            ctx.tracker.log_artifact(str(storage.local_copy(uri)), "attention")
     keep = ("bleu_sacre", "sacrebleu_signature", "bleu_sacre_reference", key, f"{key}_signature", "chrf",
             "chrf_signature")
     return StageResult(outputs={"scores": {sp: {k: s[k] for k in keep} for sp, s in scores.items()},
-                                "report": report_uri, "scores_file": scores_uri},
+                                "report": report_uri, "scores_file": scores_uri, "attention": figures},
                        metrics=metrics)

@@ -7,7 +7,8 @@
   bleu`` and Marian's validation BLEU pick checkpoints the same way. Ties go to the later step.
 
 ``plan_check`` runs at ``--plan`` time (``workflows/runner.py``): a config whose training cannot
-produce the checkpoints averaging needs is refused before any training, with the keys named.
+produce the checkpoints averaging needs is refused before any training, with the keys named; with
+early stopping, that includes a run that stops as early as its patience allows (``early_stop_check``).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def plan_check(cfg: Config) -> str | None:
     t, need = cfg.train, cfg.eval.average_last
     made = step_checkpoints(t.max_steps, t.checkpoint_interval_steps)
     if made >= need:
-        return None
+        return early_stop_check(cfg)
     if t.checkpoint_interval_s > 0:
         return (f"expects {made} step checkpoint(s) (train.max_steps = {t.max_steps}, "
                 f"train.checkpoint_interval_steps = {t.checkpoint_interval_steps}) plus one per "
@@ -65,6 +66,35 @@ def plan_check(cfg: Config) -> str | None:
         f"writes {made} checkpoint(s), but eval.average_last = {need} averages {need}: lower "
         f"eval.average_last, lower train.checkpoint_interval_steps (<= {t.max_steps // need}), or set "
         "train.checkpoint_interval_s")
+
+
+def early_stop_check(cfg: Config) -> str | None:
+    """With early stopping (``train.early_stop_patience``): refuse (ConfigError naming the keys) a
+    config whose run may stop before it has written ``eval.average_last`` checkpoints; return a
+    note when the best checkpoint will have been rotated out by the time the run stops.
+
+    The earliest stop is after patience + 1 validations (the first sets the best): for val_loss at
+    step (patience + 1) x train.eval_interval_steps, which has written the step checkpoints up to
+    it and the stop's own; for dev_bleu after patience + 1 validated checkpoints (at least that many)."""
+    t, need = cfg.train, cfg.eval.average_last
+    if not t.early_stop_patience:
+        return None
+    if t.early_stop_metric == "val_loss":
+        first_stop = min((t.early_stop_patience + 1) * t.eval_interval_steps, t.max_steps)
+        made = step_checkpoints(first_stop, t.checkpoint_interval_steps)  # the stop's own included
+    else:
+        made = t.early_stop_patience + 1
+    if made < need and t.checkpoint_interval_s <= 0:
+        raise ConfigError(
+            f"train.early_stop_patience = {t.early_stop_patience} ({t.early_stop_metric}) may stop the run after "
+            f"{made} checkpoint(s), but eval.average_last = {need} averages {need}: raise train.early_stop_patience, "
+            "lower eval.average_last" + (", or lower train.checkpoint_interval_steps"
+                                         if t.early_stop_metric == "val_loss" else ""))
+    if t.early_stop_patience >= t.keep_checkpoints:
+        return (f"early stopping: train.early_stop_patience = {t.early_stop_patience} >= train.keep_checkpoints = "
+                f"{t.keep_checkpoints}: when the run stops, its best checkpoint has been rotated out (average "
+                "gets the last ones)")
+    return None
 
 
 def kept_shortfall(cfg: Config, num_kept: int) -> str | None:

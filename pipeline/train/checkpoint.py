@@ -3,7 +3,7 @@
     model.pt        the model's state_dict, tensors on CPU (`average` and `translate` read it);
                     tied tensors (the shared embedding) are stored once
     train_state.pt  optimizer, scheduler, grad scaler, step, data position (epoch, step index in
-                    the epoch), token counters, RNG states, metric history: tensors and plain
+                    the epoch), token counters, RNG states, metric history, early stop: tensors and plain
                     types only, so that `torch.load(weights_only=True)` reads it. The RNG
                     states are rank 0's, kept for inspection: resume does not need them because
                     the loop re-seeds dropout every step from (seed, rank, step).
@@ -50,6 +50,9 @@ class Progress:
     # Learning curves for the plots: [step, loss, nll, lr] per log line, [step, loss, nll] per eval.
     history_train: list[list[float]] = field(default_factory=list)
     history_val: list[list[float]] = field(default_factory=list)
+    # Set when early stopping ended the run (pipeline.train.early_stop.EarlyStop.record): a
+    # resumed run that finds it ends at once.
+    early_stop: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

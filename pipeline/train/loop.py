@@ -13,6 +13,8 @@ of its own:
     pipeline.train.metrics    the window since the last log line, the progress line, MLflow
     pipeline.train.validate   dev loss and perplexity
     pipeline.train.cadence    which steps log, validate, checkpoint
+    pipeline.train.early_stop when the dev metric has stopped improving (train.early_stop_patience)
+    pipeline.train.compiled   torch.compile with a count of its (re)compilations (train.compile)
     pipeline.train.checkpoint the checkpoint folder, written and reported
     pipeline.train.session    Ray Train or the test process (and wrappers around them)
 
@@ -31,19 +33,22 @@ import numpy as np
 import torch
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
-from pipeline.config import from_dict as config_from_dict
+from pipeline.config import ConfigError, from_dict as config_from_dict
 from pipeline.train import batching
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train import elastic, preemption
 from pipeline.train.cadence import Cadence
 from pipeline.train.checkpoint import Progress
+from pipeline.train.compiled import compile_model
 from pipeline.train.corpus import load_corpus, load_shared_corpus
+from pipeline.train.early_stop import DevBleuRecords, EarlyStop, agree, val_loss_values
 from pipeline.train.feeder import Feeder, HostBatcher, HostBatches
 from pipeline.train.metrics import TrainLog, Window
 from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
 from pipeline.train.precision import resolve_precision, row_multiple
 from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, step_seed, upload
 from pipeline.train.validate import Validator
+from pipeline.tracking import spool_dir_for  # imports no MLflow (it loads lazily)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,7 @@ class LoopSpec:
     run_id: str | None = None  # the stage's MLflow run; None = log nothing
     num_threads: int = 0  # torch threads of this worker (the CPUs Ray reserved for it); 0 = leave as is
     session_wrapper: str = ""  # "module:function[:arg]" around the worker's session (pipeline.train.session)
+    dev_bleu_dir: str = ""  # the Ray Train run dir whose dev BLEU records early stopping reads ("" = none)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -87,16 +93,19 @@ class Trainer:
         self.optimizer = make_optimizer(self.model, betas=(self.tc.adam_beta1, self.tc.adam_beta2),
                                         eps=self.tc.adam_eps)
         self.scheduler = make_scheduler(self.optimizer, self.mcfg.d_model, self.tc.warmup_steps, self.tc.lr_scale)
-        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        # fp16 (GPUs without bf16): loss scaling; the device's own scaler (tests drive it on the CPU)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.forward_model: torch.nn.Module = self.model  # what steps call (compiled if asked)
+        self.compiler = None  # counts the graphs torch.compile made (pipeline.train.compiled)
         if self.tc.compile:
-            # dynamic=True: batch shapes change every step (token buckets); one graph serves them.
-            self.forward_model = torch.compile(self.model, dynamic=True, backend=self.tc.compile_backend)
+            self.forward_model, self.compiler = compile_model(self.model, self.tc.compile_backend)
         self.progress = Progress()
         self.cadence = Cadence(self.tc, self.world, self.device, validates=self.validate is not None)
+        self.early, self._stop_pending = self._early_stop(spec), False
         self.start_step = 0  # the step this attempt resumed from
         self.metrics = TrainLog(self.progress, self.tc.max_steps, self.rank, self.world, self.device,
-                                spec.tracking_uri, spec.run_id, self.cfg.tracking.buffer_s)
+                                spec.tracking_uri, spec.run_id, self.cfg.tracking.buffer_s,
+                                spool_dir_for(self.cfg))
 
     def _setup_device(self, num_threads: int) -> None:
         if num_threads > 0:
@@ -110,6 +119,18 @@ class Trainer:
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None
                          else contextlib.nullcontext)
 
+    def _early_stop(self, spec: LoopSpec) -> EarlyStop | None:
+        tc = self.tc
+        if not tc.early_stop_patience:
+            return None
+        if tc.early_stop_metric == "val_loss" and self.validate is None:
+            raise ConfigError("train.early_stop_metric = 'val_loss' needs a dev split (the encode stage has none)")
+        if tc.early_stop_metric == "dev_bleu" and not spec.dev_bleu_dir:
+            raise ConfigError("train.early_stop_metric = 'dev_bleu' needs dev BLEU per checkpoint "
+                              "(eval.dev_bleu and a dev split); or use 'val_loss'")
+        self.dev_bleu = DevBleuRecords(spec.dev_bleu_dir) if tc.early_stop_metric == "dev_bleu" else None
+        return EarlyStop(tc.early_stop_patience, tc.early_stop_metric)
+
     def restore(self) -> None:
         with self.session.latest_checkpoint() as path:
             if path is None:
@@ -120,6 +141,13 @@ class Trainer:
         if self.rank == 0:
             log.info("resumed from checkpoint at step %d (epoch %d, step %d of that epoch)",
                      self.progress.step, self.progress.epoch, self.progress.step_in_epoch)
+        e, p = self.early, self.progress
+        if e is not None and self.rank == 0:  # continue the count from what was logged up to here
+            logged = val_loss_values(p.history_val) if e.metric == "val_loss" else self.dev_bleu.new_values(p.step)
+            self._stop_pending = e.replay(logged, p.step) and not p.early_stop
+            if e.best is not None:
+                log.info("early stopping: %d of %d validation(s) without improvement of %s at the resume "
+                         "(best %.4f at step %d)", e.num_bad, e.patience, e.metric, e.best, e.best_step)
 
     def run(self) -> dict[str, Any]:
         self.restore()
@@ -138,7 +166,7 @@ class Trainer:
                                     self.device, row_multiple(self.precision, self.device)), prefetch=tc.prefetch)
         notice = preemption.Agreement(tc.preemption_grace_s, self.rank, self.world) if tc.preemption_grace_s else None
         try:
-            while p.step < tc.max_steps:
+            while p.step < tc.max_steps and not p.early_stop:
                 t_step = time.perf_counter()
                 if p.step_in_epoch >= len(plan):
                     p.epoch, p.step_in_epoch = p.epoch + 1, 0
@@ -153,12 +181,15 @@ class Trainer:
                 if self.cadence.logs(p.step):
                     self.metrics.log_window(window)
                     window = Window()
+                    if self.compiler is not None and self.rank == 0:
+                        self.metrics.log({"train/compiled_graphs": float(self.compiler.num_graphs)})
                 if self.cadence.validates_at(p.step):
                     self._validate(model)
+                stop = self._should_stop()  # then the checkpoint of this step records it
                 if notice is not None:  # before the interval checkpoint: this one is synchronous
                     preemption.stop_if_noticed(notice, time.perf_counter() - t_step, p.step,
                                                lambda: self._checkpoint(sync=True), self.session)
-                if self.cadence.checkpoints_at(p.step):
+                if stop or self.cadence.checkpoints_at(p.step):
                     save_s = self._checkpoint()
                     if notice is not None:
                         notice.observe(save_s=save_s)
@@ -203,6 +234,28 @@ class Trainer:
         p.tokens_src += step_src
         p.tokens_tgt += step_tgt
 
+    def _should_stop(self) -> bool:
+        """Early stopping's decision at this step (rank 0's, agreed by all): on validation steps
+        for val_loss, on log steps for dev BLEU (its records arrive asynchronously)."""
+        e, p = self.early, self.progress
+        if e is None or not (self.cadence.validates_at(p.step) if e.metric == "val_loss"
+                             else self.cadence.logs(p.step)):
+            return False
+        stop = False
+        if self.rank == 0:
+            values = val_loss_values(p.history_val[-1:]) if e.metric == "val_loss" else self.dev_bleu.new_values(p.step)
+            for step, value in values:
+                stop = e.observe(step, value) or stop
+            stop, self._stop_pending = stop or self._stop_pending, False
+        if not agree(stop, self.device, self.world):
+            return False
+        p.early_stop = e.record(p.step, self.tc.max_steps)
+        if self.rank == 0:
+            log.warning("early stop at step %d of %d: %s", p.step, self.tc.max_steps, e.describe())
+            self.metrics.log({"train/early_stop_step": float(p.step), "train/early_stop_best": float(e.best),
+                              "train/early_stop_best_step": float(e.best_step)})
+        return True
+
     def _validate(self, model: torch.nn.Module) -> None:
         m = self.validate(model)
         if m is None:
@@ -236,7 +289,9 @@ class Trainer:
                 "tokens_seen": {"src": p.tokens_src, "tgt": p.tokens_tgt},
                 "train_time_s": p.train_time_s, "num_dropped_too_long": self.num_dropped,
                 "num_pairs": len(self.rows), "precision": self.precision, "world_size": self.world,
-                "history_train": p.history_train, "history_val": p.history_val, "last_metrics": self.metrics.last}
+                "history_train": p.history_train, "history_val": p.history_val, "last_metrics": self.metrics.last,
+                "early_stop": p.early_stop or None,
+                "compiled_graphs": self.compiler.num_graphs if self.compiler is not None else None}
 
 
 def train_worker(spec: dict[str, Any], session: Session) -> dict[str, Any]:

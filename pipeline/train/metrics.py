@@ -60,10 +60,11 @@ class TrainLog:
     """Rank 0's metrics: the progress line, the history kept in checkpoints, MLflow."""
 
     def __init__(self, progress: Progress, max_steps: int, rank: int, world: int, device: torch.device,
-                 tracking_uri: str | None, run_id: str | None, buffer_s: float = 1800.0):
+                 tracking_uri: str | None, run_id: str | None, buffer_s: float = 1800.0,
+                 spool_dir: str | None = None):
         self.progress, self.max_steps = progress, max_steps
         self.rank, self.world, self.device = rank, world, device
-        self.tracker = _make_tracker(tracking_uri, run_id, buffer_s) if rank == 0 else None
+        self.tracker = _make_tracker(tracking_uri, run_id, buffer_s, spool_dir) if rank == 0 else None
         self.last: dict[str, float] = {}  # the latest value of every metric (reported with checkpoints)
         self._warned = False
 
@@ -100,18 +101,19 @@ class TrainLog:
 
 
     def close(self) -> None:
-        """Deliver the buffered metrics, waiting at most a minute for the server."""
+        """Deliver the buffered metrics, waiting at most a minute for the server; what is left
+        goes to the spool (`spool_dir`), which the driver delivers."""
         if self.tracker is not None:
             self.tracker.close()
 
 
-def _make_tracker(uri: str | None, run_id: str | None, buffer_s: float) -> Any:
+def _make_tracker(uri: str | None, run_id: str | None, buffer_s: float, spool_dir: str | None = None) -> Any:
     if not run_id:
         return None
     from pipeline.tracking import BufferedRunLogger  # MLflow is imported lazily, on first log
 
     # Buffered: a log step never waits for the tracking server (its thread does; tracking.buffer_s).
-    return BufferedRunLogger(uri, run_id, buffer_s=buffer_s)
+    return BufferedRunLogger(uri, run_id, buffer_s=buffer_s, spool_dir=spool_dir)
 
 
 def hms(seconds: float) -> str:

@@ -43,6 +43,7 @@ from pipeline.train.precision import describe as describe_precision
 from pipeline.train.session import SESSION_WRAPPER_ENV, RaySession
 from pipeline.train.resume import storage_path_for
 from pipeline.train.size import model_config_for
+from pipeline.tracking import deliver_spool, spool_dir_for
 
 log = logging.getLogger(__name__)
 
@@ -226,15 +227,26 @@ def run(ctx: StageContext) -> StageResult:
     vocab = ctx.inputs["vocab"].outputs
     validation = dev_bleu.validation_config(cfg, dev_dir=dev_dir, vocab=vocab, run_dir=run_dir,
                                             tracking_uri=spec.tracking_uri, run_id=spec.run_id)
+    spec.dev_bleu_dir = storage.absolute(run_dir) if validation is not None else ""
+    check_early_stop(cfg, dev_dir, vocab)
+    _log_bill(ctx, mc, train_dir)
     t0 = time.time()
     result = fit(cfg, spec, ctx.key, storage_path, validation)
     summary = result.return_value or {}
+    # Metric points the workers could not deliver (the tracking server away as training ended),
+    # spooled beside the checkpoints: delivered now, else by the next invocation (pipeline.tracking).
+    pending_points = deliver_spool(spool_dir_for(cfg), spec.tracking_uri, spec.run_id, cfg.tracking.timeout_s)
     checkpoints = checkpoint_uris(result, storage_path)
     if not checkpoints:
         raise RuntimeError(f"train: the run {ctx.key} under {storage_path} finished without a checkpoint")
     final_step = int(summary.get("final_step") or train_checkpoint_step(checkpoints[-1]))
     dev, dev_metrics = dev_bleu.summarize(run_dir, cfg, dev_dir, vocab)
     shortfall = kept_shortfall(cfg, len(checkpoints))
+    early = summary.get("early_stop") or None
+    if early:
+        log.info("train: stopped early at step %d of %d: %s did not improve for %d validation(s) (best %s at step %s)",
+                 early["step"], early["max_steps"], early["metric"], early["num_bad"], early["best"],
+                 early["best_step"])
     if shortfall:
         log.warning("train: %s", shortfall)
     history = {"train": summary.get("history_train", []), "val": summary.get("history_val", [])}
@@ -260,6 +272,8 @@ def run(ctx: StageContext) -> StageResult:
                  "wall_s": float(summary.get("train_time_s", 0.0)), "model_config": mc.to_dict(),
                  "data": stats, "precision": summary.get("precision"), "dev_bleu": dev,
                  "resumed_from_step": int(summary.get("start_step", 0)),
+                 "early_stop": early,  # None, or where and why early stopping ended the run (score's report)
+                 "tracking_pending_points": pending_points,  # spooled at the end of training (see above)
                  # For the score report: the compute this result cost (loop time x workers).
                  # The last attempt's group (an elastic run may have changed size on the way).
                  "num_workers": int(summary.get("world_size") or elastic.worker_range(ctx.cfg)[1]),
@@ -267,6 +281,33 @@ def run(ctx: StageContext) -> StageResult:
                  "gpu_hours": float(summary.get("train_time_s", 0.0)) * int(summary.get("world_size") or 1) / 3600
                  if on_gpu else 0.0},
         metrics=metrics)
+
+
+def check_early_stop(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> None:
+    """Early stopping's metric must exist for this run (before any worker starts)."""
+    tc = cfg.train
+    if not tc.early_stop_patience:
+        return
+    why = (dev_bleu.unavailable(cfg, dev_dir, vocab) if tc.early_stop_metric == "dev_bleu"
+           else None if dev_dir else "the encode stage has no dev split")
+    if why:
+        raise TrainInputError(f"train.early_stop_patience = {tc.early_stop_patience} on "
+                              f"train.early_stop_metric = '{tc.early_stop_metric}', but this run has no such metric: {why}")
+    log.info("train: early stopping after %d validation(s) without improvement of %s", tc.early_stop_patience,
+             tc.early_stop_metric)
+
+
+def _log_bill(ctx: StageContext, mc: ModelConfig, train_dir: str) -> None:
+    """--plan's bill (pipeline/train/bill.py) as the run's MLflow params; never fails training."""
+    from pipeline.train import bill
+
+    try:
+        b = bill.for_train_dir(ctx.cfg, mc, train_dir)
+        log.info("train: the bill at train.gpu_type %s: %.4g FLOPs per step, %.3g h and %.3g GPU-hours at MFU %.3g",
+                 b.gpu_type, b.flops_per_step, b.hours, b.gpu_hours, b.mfu)
+        ctx.tracker.log_params(b.params())
+    except Exception as e:  # noqa: BLE001 (an unknown gpu_type, a changed MLflow param): a note, not a failure
+        log.warning("train: no bill in the run's params (%s: %s)", type(e).__name__, e)
 
 
 def train_checkpoint_step(uri: str) -> int:

@@ -43,8 +43,11 @@ class Validator:
                                  m.pad_id, m.bos_id, m.eos_id)
             mb = to_device(b, self.device)
             with self.autocast():
-                logits = inner(mb.src, mb.tgt_in)
-            loss, nll = label_smoothed_nll(logits, mb.tgt_out, epsilon=self.label_smoothing, ignore_index=m.pad_id)
+                # Real positions only, found on the host (as in training): no `nonzero` in the model,
+                # which would break a compiled model's graph into pieces specialized per batch.
+                logits = inner(mb.src, mb.tgt_in, nonpad_only=True, src_index=mb.src_index,
+                               tgt_index=mb.tgt_index)  # (M, V)
+            loss, nll = label_smoothed_nll(logits, mb.target, epsilon=self.label_smoothing, ignore_index=m.pad_id)
             sums += torch.stack([loss.double(), nll.double(), torch.tensor(float(b.num_tgt_tokens),
                                  dtype=torch.float64, device=self.device)])
         inner.train()

@@ -30,7 +30,8 @@ from tests.support.flaky_proxy import FlakyProxy
 from tests.support.procs import wait_for
 from tests.support.s3 import s3, s3_module  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): a driver run of ~1-2 min, waited up to 300 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS, INTERVAL, VOCAB, RUN = 30, 10, 48, "upload-outage"

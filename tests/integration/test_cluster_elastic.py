@@ -37,7 +37,8 @@ from tests.support.faults import gate_env, set_gate
 from tests.support.mlflow_server import MlflowServer
 from tests.support.procs import RayHead, stop, wait_for
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): a two-node cluster, a lost node, a grow-back: ~3 min, drivers waited up to 360 s each.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS, INTERVAL, VOCAB = 40, 10, 48

@@ -53,6 +53,7 @@ def mlflow_runs(uri: str, run_name: str):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a cluster, an S3 server and an MLflow server start here first
 def test_runner_tracks_to_the_mlflow_server(cluster_env, s3_module, mlflow_uri, monkeypatch, tmp_path):
     """Params, metrics and artifacts of a workflow, read back through the server (fake stage bodies)."""
     from mlflow import MlflowClient
@@ -126,6 +127,7 @@ TINY = ["--config", "configs/local.toml", "--data.max_pairs_per_corpus=300", "--
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # two job submissions of the whole DAG, each waited up to 420 s
 def test_job_submit_runs_the_dag_on_s3_and_a_rerun_is_cached(cluster_env, s3_module, mlflow_uri, mirror_dir,
                                                              tmp_path):
     """`ray job submit` of the workflow to a Ray head, work dir in the bucket, tracking to the server."""

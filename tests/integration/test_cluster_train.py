@@ -76,6 +76,7 @@ def registered_step(s3) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a checkpoint waited up to 240 s, then the driver up to 360 s
 def test_two_node_training_survives_losing_a_node(s3, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))

@@ -23,7 +23,8 @@ from tests.support import faults
 from tests.support.procs import session_pids, stop
 from workflows import reproduce_base, runner
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): three drivers on the DAG, each waited up to 300 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = [

@@ -17,7 +17,8 @@ from pipeline.config import Config
 from pipeline.evaluate import translate
 from pipeline.stage import Manifest, StageContext
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): the session's tiny model may be trained here first.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_LINES = 30
 

@@ -18,7 +18,8 @@ from pipeline.config import Config
 from pipeline.data.fetch import DataError
 from pipeline.stage import Manifest, StageContext
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): a local Ray may start here first.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ from pipeline.stage import StageContext
 from pipeline.data.vocab import write_sample
 from tests.support.s3 import s3, s3_module  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): the data stages on an S3 server.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_download_and_prepare_on_s3(s3, mirror_dir, tmp_path):

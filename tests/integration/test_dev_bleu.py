@@ -20,7 +20,8 @@ from pipeline.evaluate.translate import read_split
 from pipeline.stage import MANIFEST, Manifest, StageContext
 from workflows import reproduce_base
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): a Ray Train run with asynchronous validation.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 SENTENCES = 60

@@ -37,6 +37,7 @@ def plan_actions(out: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the whole DAG in local mode (~2-3 min on 2 cores)
 def test_local_mode_end_to_end(tmp_path, mirror_dir, capsys, monkeypatch):
     from mlflow import MlflowClient
 

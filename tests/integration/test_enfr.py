@@ -18,7 +18,8 @@ import pytest
 from tests.integration.test_end_to_end import TINY, plan_actions, run
 from workflows import reproduce_base
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): the whole EN-FR DAG in local mode (~2-3 min).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 # Lines before cleaning in the mirror's fr-en members (statmt-mirror/README.md), capped by TINY's
 # --data.max_pairs_per_corpus=1500: europarl 3000, commoncrawl 1500, un 10068, nc 5000, giga 1000.

@@ -16,7 +16,8 @@ import torch
 from model import beam_search, greedy_search
 from pipeline.evaluate.translate import load_model, pad_batch
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): the session's tiny model may be trained here first.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_SENTENCES = 50
 MAX_LEN_A, MAX_LEN_B = 1.0, 50  # §6.1, our defaults

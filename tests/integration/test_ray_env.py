@@ -13,7 +13,8 @@ import pytest
 
 from tests.support.procs import RayHead
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): a second Ray on the machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_state_api_finds_our_actor_with_another_ray_on_the_machine(ray_local, tmp_path):

@@ -20,7 +20,8 @@ from tests.support.mlflow_server import mlflow_uri  # noqa: F401 - fixture
 from tests.support.procs import BIN, free_port, start, stop, wait_http
 from tests.support.registered import NAME, register_tiny
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): the session's tiny model and its export may be made here first.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_SENTENCES = 6
 

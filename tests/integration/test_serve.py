@@ -19,7 +19,8 @@ import pytest
 from tests.support.procs import free_port
 from tests.support.s3 import s3, s3_module  # noqa: F401 - fixtures
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): a Ray Serve application starts here first.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_SENTENCES, MAX_CHARS, MAX_LEN_B, MAX_BYTES = 4, 4000, 20, 16384
 

@@ -60,6 +60,7 @@ def drive(argv: list[str], fail_row: str, log: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # two sweep drivers (the second reruns the failed row), each waited up to 900 s
 def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_dir, monkeypatch, capsys):
     from mlflow import MlflowClient
 

@@ -1,4 +1,6 @@
-"""The tracking server goes away mid-train and comes back: training never waits for it.
+"""The tracking server goes away mid-train and comes back: training never waits for it, and
+when training ends before the server is back, the points it could not take are spooled and
+delivered once it is (what the train stage's driver does): the whole curve, each step once.
 
 The loop runs in-process (`LocalSession`, no Ray) against the suite's MLflow server
 (tests/support/mlflow_server.py). MLflow's HTTP retries are shortened (the env vars MLflow reads
@@ -22,14 +24,16 @@ from pipeline.train.loop import LocalSession, LoopSpec, Trainer
 from pipeline.train.synthetic import write_reverse_task
 from tests.support.mlflow_server import MlflowServer
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): an outage of 12 s, a trainer joined within 120 s, the tracking buffer's close.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 VOCAB = 64
 OUTAGE_S = 12.0  # > MLflow's retries below (1 + 2 + 4 s of backoff)
 
 
-def spec_for(shards: Path, uri: str, run_id: str, max_steps: int) -> LoopSpec:
+def spec_for(shards: Path, uri: str, run_id: str, max_steps: int, work_dir: Path) -> LoopSpec:
     cfg = Config()
+    cfg.run.work_dir = str(work_dir)  # the spool: <work_dir>/ray_train/tracking_spool
     t = cfg.train
     t.max_steps, t.tokens_per_step, t.max_tokens_per_batch, t.warmup_steps = max_steps, 400, 400, 8
     t.log_interval_steps, t.eval_interval_steps, t.checkpoint_interval_steps = 2, 10**6, 10**6
@@ -51,12 +55,12 @@ def test_a_tracking_outage_costs_no_training_time(tmp_path, monkeypatch):
     try:
         client = MlflowClient(server.uri)
         run_id = client.create_run(client.create_experiment("outage")).info.run_id
-        trainer = Trainer(spec_for(shards, server.uri, run_id, max_steps=10**6), LocalSession(tmp_path / "ck"))
+        trainer = Trainer(spec_for(shards, server.uri, run_id, max_steps=10**6, work_dir=tmp_path / "work"),
+                          LocalSession(tmp_path / "ck"))
         result: dict = {}
         worker = threading.Thread(target=lambda: result.update(trainer.run()), daemon=True)
         worker.start()
-        while trainer.progress.step < 40:
-            time.sleep(0.05)
+        wait_for_step(trainer, worker, 40)
         server.stop(timeout_s=0)
         down_at = trainer.progress.step
         time.sleep(OUTAGE_S)
@@ -86,6 +90,66 @@ def test_a_tracking_outage_costs_no_training_time(tmp_path, monkeypatch):
         print(f"OUTAGE steps {down_at}->{back_at} max gap {during.max():.3f} s usual {usual:.3f} s")
         assert during.max() < 5 * usual + 1.0, (during.max(), usual)
         assert "tracking/dropped_points" not in client.get_run(run_id).data.tags
+    finally:
+        server.stop()
+
+
+def wait_for_step(trainer: Trainer, worker: threading.Thread, step: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while trainer.progress.step < step:
+        assert worker.is_alive(), f"the trainer ended at step {trainer.progress.step} before step {step}"
+        assert time.monotonic() < deadline, (f"the trainer did not reach step {step} within {timeout_s} s "
+                                             f"(at step {trainer.progress.step})")
+        time.sleep(0.05)
+
+
+def test_training_that_ends_during_an_outage_loses_no_point(tmp_path, monkeypatch):
+    """The server goes away at step ~40 and training ends 20 steps later, still in the outage: the
+    logger waits its close timeout (shortened here), spools what it holds beside the checkpoints,
+    and once the server is back the driver's `deliver_spool` (the train stage calls it after the
+    workers end) delivers it: every logged step exactly once, with the loop's values."""
+    from mlflow import MlflowClient
+
+    from pipeline.tracking import BufferedRunLogger, MetricSpool, deliver_spool, spool_dir_for
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    monkeypatch.setattr(BufferedRunLogger.close, "__defaults__", (8.0,))  # the loop's close waits 60 s
+    torch.set_num_threads(1)
+    shards = write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0)
+    server = MlflowServer(tmp_path / "mlflow")
+    try:
+        client = MlflowClient(server.uri)
+        run_id = client.create_run(client.create_experiment("outage-at-end")).info.run_id
+        spec = spec_for(shards, server.uri, run_id, max_steps=10**6, work_dir=tmp_path / "work")
+        trainer = Trainer(spec, LocalSession(tmp_path / "ck"))
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.update(trainer.run()), daemon=True)
+        worker.start()
+        wait_for_step(trainer, worker, 40)
+        server.stop(timeout_s=0)
+        now = trainer.progress.step
+        end = now + 20 + now % 2
+        trainer.tc.max_steps = end  # training ends at a known (even) step while the server is away
+        worker.join(timeout=180)
+        assert not worker.is_alive(), "the trainer did not end within 180 s"
+        assert result["final_step"] == end
+
+        spool_dir = spool_dir_for(trainer.cfg)
+        _, points, _ = MetricSpool(spool_dir, run_id).read()
+        assert points, f"nothing spooled in {spool_dir} although the server was away at the end"
+        assert max(p[1] for p in points) == end, "the last window (logged during the outage) is spooled"
+        server.start()  # same port, same store
+        assert deliver_spool(spool_dir, server.uri, run_id, timeout_s=60) == len(points)
+
+        history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
+        assert [m.step for m in history] == list(range(2, end + 1, 2)), "every logged step exactly once"
+        expected = {int(s): loss for s, loss, _, _ in trainer.progress.history_train}
+        assert {m.step: m.value for m in history} == pytest.approx(expected, rel=1e-12)
+        assert "tracking/dropped_points" not in client.get_run(run_id).data.tags
+        assert not MetricSpool(spool_dir, run_id).files(), "delivered spool files are removed"
+        assert deliver_spool(spool_dir, server.uri, run_id) == 0
     finally:
         server.stop()
 

@@ -24,7 +24,8 @@ from pipeline.stage import Manifest, StageContext
 from pipeline.train.synthetic import write_reverse_task
 from tests.support import faults
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): Ray Train runs; the module's baseline run is trained by its first test.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 64
@@ -227,7 +228,10 @@ def test_sigterm_to_a_worker_checkpoints_that_step_and_the_run_resumes_there(ray
 
     def preempt() -> None:
         deadline = time.monotonic() + 240
-        while not (run_dir / "checkpoint_0000010").exists() and time.monotonic() < deadline:
+        while not (run_dir / "checkpoint_0000010").exists():
+            if time.monotonic() > deadline:
+                sent["error"] = f"no {run_dir}/checkpoint_0000010 within 240 s: no SIGTERM sent"
+                return
             time.sleep(0.02)
         workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")], detail=True)
         sent["pid"] = workers[-1].pid
@@ -237,7 +241,8 @@ def test_sigterm_to_a_worker_checkpoints_that_step_and_the_run_resumes_there(ray
     watcher.start()
     out = train.run(ctx).outputs
     watcher.join(5)
-    assert "pid" in sent and out["final_step"] == 30
+    assert "pid" in sent, sent.get("error", "the watcher sent no SIGTERM")
+    assert out["final_step"] == 30
     logs = "\n".join(p.read_text(errors="replace") for p in
                      Path(ray_local._private.worker._global_node.get_session_dir_path(), "logs").rglob("worker-*")
                      if p.is_file())

@@ -22,7 +22,8 @@ from pipeline.evaluate import score, translate
 from pipeline.config import Config
 from pipeline.stage import Manifest, StageContext
 
-pytestmark = pytest.mark.slow
+# The bound on each test (pytest-timeout): Ray Data actors; the tiny model may be trained here first.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_LINES = 40

@@ -110,6 +110,9 @@ def gate(session: Any, argument: str) -> "GatedSession":
     return GatedSession(session, Path(argument))
 
 
+GATE_TIMEOUT_S = 600.0  # a test moves the gate within its own (pytest-timeout) bound
+
+
 class GatedSession:
     """`session` whose workers wait before any step past the number in the file `path` (a test moves
     it on): a test can hold a run at a known step while it changes the cluster, instead of racing
@@ -124,5 +127,9 @@ class GatedSession:
 
     def before_step(self, step: int) -> None:
         self.inner.before_step(step)
+        deadline = time.monotonic() + GATE_TIMEOUT_S
         while step > int(self.path.read_text() or 0):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gate: waited {GATE_TIMEOUT_S:g} s for the test to allow step {step} "
+                                   f"(it writes the last allowed step into {self.path})")
             time.sleep(0.05)

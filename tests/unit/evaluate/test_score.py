@@ -41,6 +41,7 @@ class RecordingTracker:
 def _ctx(tmp_path, splits, hyps_by_split, cfg=None):
     cfg = cfg or Config()
     cfg.eval.splits = splits
+    cfg.eval.attention_sentences = 0  # no model here: the heatmaps are tested in tests/integration/test_multi30k.py
     enc_splits, tr_splits = {}, {}
     for split in splits:
         d = tmp_path / "encode" / split
@@ -74,7 +75,9 @@ def test_score_stage_writes_metrics_scores_and_report(tmp_path):
     assert result.metrics["test/bleu_tok_cs"] == pytest.approx(bleu.tokenized_bleu_cs(HYPS, REFS).score)
     assert result.metrics["test/chrf"] == pytest.approx(bleu.chrf(HYPS, REFS).score)
     test = result.outputs["scores"]["test"]
-    assert set(test) == {"bleu_sacre", "sacrebleu_signature", "bleu_tok_cs", "chrf", "chrf_signature"}
+    assert set(test) == {"bleu_sacre", "sacrebleu_signature", "bleu_sacre_reference", "bleu_tok_cs",
+                         "bleu_tok_cs_signature", "chrf", "chrf_signature"}
+    assert test["bleu_sacre_reference"] == "raw" and test["bleu_tok_cs_signature"].startswith("bleu_tok_cs: sacremoses")
     assert test["sacrebleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
 
     saved = json.loads((tmp_path / "score" / "scores.json").read_text())

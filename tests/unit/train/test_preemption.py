@@ -20,7 +20,11 @@ from tests.unit.train.test_loop import one_thread, shards, tiny_spec  # noqa: F4
 def sigterm_at(trainer: Trainer, step: int, sent: dict) -> threading.Thread:
     """SIGTERM this process once the trainer has done `step` steps; `sent["step"]` says when."""
     def watch() -> None:
+        deadline = time.monotonic() + 120
         while trainer.progress.step < step:
+            if time.monotonic() > deadline:
+                sent["error"] = f"the trainer did not reach step {step} within 120 s (at {trainer.progress.step})"
+                return
             time.sleep(0.001)
         sent["step"] = trainer.progress.step
         os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,233 @@
+"""The bill of the train stage: FLOPs per step, wall time and GPU-hours to `train.max_steps`.
+
+    hours     = max_steps x FLOPs per step / (GPUs x peak FLOP/s per GPU x MFU) / 3600
+    GPU-hours = GPUs x hours
+
+- FLOPs per step: counted by torch's FLOP counter on the real model (`pipeline.train.flops`, meta
+  device, forward + backward) over sampled steps of the real batch plan: the encode stage's
+  training lengths when it is cached, else `ASSUMED_LENGTHS` (stated in the bill). The 6·N·T
+  rule's figure is printed beside it.
+- GPUs: the most workers of `train.num_workers` (one GPU each); peak: `PEAK_FLOPS[train.gpu_type]`.
+- MFU: measured by benchmarks/gpu_check.sh (`--mfu-from FILE` or `train.mfu_from`: its train row
+  for this model size, compiled or eager as `train.compile`), else `train.assumed_mfu`, printed
+  as an assumption. gpu_check measures one GPU: the all-reduce between GPUs, validation and
+  checkpoints are not in it, so the bill is a lower bound of the wall time; the progress line's
+  ETA (measured) is the number to trust once training runs.
+
+The driver logs the same figures as the train run's MLflow params (`params`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from model import ModelConfig, Transformer
+from pipeline.config import Config, ConfigError
+from pipeline.train import batching, elastic
+from pipeline.train.flops import MicroShape, count_step_flops, six_n_t
+
+# Dense (no structured sparsity) 16-bit tensor-core peak per GPU: bf16, or fp16 on GPUs without
+# bf16 (V100, T4), from NVIDIA's datasheets. Where a datasheet prints only the sparse figure
+# ("with sparsity"), the dense one is half of it.
+PEAK_FLOPS: dict[str, tuple[float, str]] = {
+    "V100": (125e12, "NVIDIA V100 datasheet (SXM2): 125 TFLOPS fp16 tensor; no bf16"),
+    "T4": (65e12, "NVIDIA T4 datasheet: 65 TFLOPS fp16 mixed precision; no bf16"),
+    "A10": (125e12, "NVIDIA A10 datasheet: 125 TFLOPS bf16 tensor (250 with sparsity)"),
+    "L4": (121e12, "NVIDIA L4 datasheet: 242 TFLOPS bf16 tensor with sparsity, 121 dense"),
+    "A100": (312e12, "NVIDIA A100 datasheet (SXM and PCIe): 312 TFLOPS bf16 tensor (624 with sparsity)"),
+    "L40S": (362e12, "NVIDIA L40S datasheet: 362 TFLOPS bf16 tensor (733 with sparsity)"),
+    "H100-PCIe": (756e12, "NVIDIA H100 datasheet, PCIe: 1,513 TFLOPS bf16 tensor with sparsity, 756 dense"),
+    "H100": (989e12, "NVIDIA H100 datasheet, SXM: 1,979 TFLOPS bf16 tensor with sparsity, 989 dense"),
+    "H200": (989e12, "NVIDIA H200 datasheet, SXM: 1,979 TFLOPS bf16 tensor with sparsity, 989 dense"),
+}
+
+# Without the encode stage's lengths: pieces per source sentence ~ lognormal with median 25 and
+# mean ~30 (sigma 0.6), target = source x U(0.8, 1.2). An assumption of the order of WMT14 EN-DE
+# under a 37k shared BPE, not a measurement; the bill says when it uses it.
+ASSUMED_LENGTHS = "assumed lengths (no cached encode output): source pieces ~ lognormal(median 25, sigma 0.6), " \
+                  "target = source x U(0.8, 1.2)"
+SAMPLE_ROWS = 200_000  # rows the batch plan is built from (a uniform sample: the same length distribution)
+SAMPLE_STEPS = 6  # steps counted: one per stratum of the steps sorted by length (steps are length buckets)
+
+
+@dataclass
+class Bill:
+    """The figures of the bill (every one printed, so the hours can be recomputed from the text)."""
+
+    num_params: int
+    max_steps: int
+    num_gpus: int
+    gpu_type: str
+    peak_flops: float
+    peak_source: str
+    mfu: float
+    mfu_source: str  # where the MFU comes from; "assumption: ..." when not measured
+    flops_per_step: float  # counted (mean over the sampled steps)
+    tgt_tokens_per_step: float
+    src_tokens_per_step: float
+    lengths_source: str
+    sampled_steps: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def flops_6nt(self) -> float:
+        return six_n_t(self.num_params, self.tgt_tokens_per_step)
+
+    @property
+    def hours(self) -> float:
+        return self.max_steps * self.flops_per_step / (self.num_gpus * self.peak_flops * self.mfu) / 3600
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.num_gpus * self.hours
+
+    def params(self) -> dict[str, Any]:
+        """The train run's MLflow params (`bill/...`)."""
+        return {"bill/flops_per_step": f"{self.flops_per_step:.4g}", "bill/flops_per_step_6nt": f"{self.flops_6nt:.4g}",
+                "bill/tgt_tokens_per_step": round(self.tgt_tokens_per_step), "bill/num_gpus": self.num_gpus,
+                "bill/gpu_type": self.gpu_type, "bill/peak_flops": f"{self.peak_flops:.4g}",
+                "bill/mfu": f"{self.mfu:.4g}", "bill/mfu_source": self.mfu_source[:450],
+                "bill/hours": f"{self.hours:.4g}", "bill/gpu_hours": f"{self.gpu_hours:.4g}",
+                "bill/lengths": self.lengths_source[:450]}
+
+    def format(self) -> str:
+        pct = f"{100 * self.mfu:.3g}%"
+        lines = [
+            f"train bill: {self.num_gpus} x {self.gpu_type} to train.max_steps = {self.max_steps}",
+            f"  parameters        {self.num_params:,} ({self.num_params / 1e6:.1f}M, the tied embedding once)",
+            f"  batches           {self.lengths_source}; {self.sampled_steps} step(s) sampled: "
+            f"{self.tgt_tokens_per_step:,.0f} target + {self.src_tokens_per_step:,.0f} source tokens per step",
+            f"  FLOPs per step    {self.flops_per_step:.4e} counted (torch FlopCounterMode on the model, meta device, "
+            "forward + backward: matmuls and attention)",
+            f"                    {self.flops_6nt:.4e} by 6*N*T (N = {self.num_params:,} parameters, "
+            f"T = {self.tgt_tokens_per_step:,.0f} target tokens)",
+            f"  peak              {self.peak_flops:.4e} FLOP/s per {self.gpu_type} ({self.peak_source})",
+            f"  MFU               {self.mfu:.4g} = {pct} ({self.mfu_source})",
+            f"  hours             max_steps x FLOPs per step / (GPUs x peak x MFU) / 3600 = {self.max_steps} x "
+            f"{self.flops_per_step:.4e} / ({self.num_gpus} x {self.peak_flops:.4e} x {self.mfu:.4g}) / 3600 "
+            f"= {self.hours:.4g} h",
+            f"  GPU-hours         GPUs x hours = {self.gpu_hours:.4g}",
+            "  (compute at that MFU only: the all-reduce, validation and checkpoints add to it; once training runs, "
+            "its progress line's ETA is measured)"]
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def peak_for(gpu_type: str) -> tuple[float, str]:
+    if gpu_type not in PEAK_FLOPS:
+        raise ConfigError(f"train.gpu_type = {gpu_type!r}: unknown GPU (known: {', '.join(PEAK_FLOPS)})")
+    return PEAK_FLOPS[gpu_type]
+
+
+def model_size(mc: ModelConfig) -> str | None:
+    """"base" / "big" when the model has Table 3's sizes (gpu_check measures those two)."""
+    sizes = {(512, 2048, 8): "base", (1024, 4096, 16): "big"}
+    return sizes.get((mc.d_model, mc.d_ff, mc.n_heads))
+
+
+def mfu_from_gpu_check(path: str, mc: ModelConfig, compiled: bool, gpu_type: str) -> tuple[float, str, list[str]]:
+    """(MFU, where from, notes) from a gpu_check JSON: its train row for this model size, as
+    compiled (`train.compile`) when it has one, else the other. A ConfigError naming the file when
+    it has none."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--mfu-from / train.mfu_from: cannot read {path} ({e})") from e
+    size = model_size(mc)
+    if report.get("smoke"):
+        raise ConfigError(f"--mfu-from: {path} is a gpu_check --smoke run (it measures nothing)")
+    sections = report.get("sections", {})
+    names = [f"train {s} {m}" for s in ([size] if size else ["base", "big"])
+             for m in (["compiled", "eager"] if compiled else ["eager", "compiled"])]
+    for name in names:
+        sec = sections.get(name, {})
+        if sec.get("status") != "ok":
+            continue
+        notes = []
+        if "mfu_counted_pct" in sec:
+            mfu = sec["mfu_counted_pct"] / 100
+        else:  # an older gpu_check: MFU of its 6 x matmul-parameter estimate (no attention): lower
+            mfu = sec["mfu_pct"] / 100
+            notes.append(f"{path} predates the counted MFU: its MFU is against 6 x matmul parameters (attention "
+                         "left out), a lower figure, so these hours are an overestimate")
+        device = str(report.get("env", {}).get("device", "?"))
+        if gpu_type.split("-")[0].lower() not in device.lower():
+            notes.append(f"MFU measured on {device}, applied to {gpu_type} (train.gpu_type)")
+        if size is None:
+            notes.append(f"this model is neither base nor big: using gpu_check's '{name}' MFU")
+        return mfu, f"measured: gpu_check '{name}' in {path}, on one {device}", notes
+    raise ConfigError(f"--mfu-from: {path} has no finished train row among {', '.join(names)}")
+
+
+def sample_steps(src_len: np.ndarray, tgt_len: np.ndarray, cfg: Config, num_steps: int = SAMPLE_STEPS,
+                 ) -> list[list[MicroShape]]:
+    """Micro-batch shapes of `num_steps` steps of the real batch plan (epoch 0 of train.seed),
+    one per stratum of the steps sorted by mean length, split over the most workers."""
+    tc = cfg.train
+    rows = np.flatnonzero(batching.keep_mask(src_len, tgt_len, tc.max_len))
+    if len(rows) > SAMPLE_ROWS:
+        rows = np.sort(np.random.default_rng(tc.seed).choice(rows, SAMPLE_ROWS, replace=False))
+    plan = batching.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
+    if not plan:
+        raise ConfigError("train.tokens_per_step: the training split makes no step")
+    by_len = sorted(plan, key=lambda g: float(np.mean(tgt_len[g])))
+    picks = sorted({int((i + 0.5) * len(by_len) / num_steps) for i in range(num_steps)})
+    workers = elastic.worker_range(cfg)[1]
+    steps = []
+    for i in picks:
+        split = batching.split_step(by_len[min(i, len(by_len) - 1)], src_len, tgt_len, workers,
+                                    tc.max_tokens_per_batch)
+        steps.append([MicroShape.of(src_len[c], tgt_len[c]) for chunks in split.chunks for c in chunks if len(c)])
+    return steps
+
+
+def assumed_lengths(cfg: Config, n: int = 50_000) -> tuple[np.ndarray, np.ndarray]:
+    """`ASSUMED_LENGTHS`, drawn with train.seed."""
+    rng = np.random.default_rng(cfg.train.seed)
+    src = np.exp(rng.normal(math.log(25.0), 0.6, size=n))
+    tgt = src * rng.uniform(0.8, 1.2, size=n)
+    return (np.clip(np.rint(src), 1, None).astype(np.int64), np.clip(np.rint(tgt), 1, None).astype(np.int64))
+
+
+def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None,
+              lengths_source: str = "", mfu_from: str = "") -> Bill:
+    """The bill of `cfg`'s train stage for the model `mc`; `lengths` = the training split's
+    (src_len, tgt_len) (None: `ASSUMED_LENGTHS`); `mfu_from` overrides `train.mfu_from`."""
+    tc = cfg.train
+    if lengths is None:
+        lengths, lengths_source = assumed_lengths(cfg), ASSUMED_LENGTHS
+    src_len, tgt_len = lengths
+    steps = sample_steps(src_len, tgt_len, cfg)
+    flops = [count_step_flops(mc, step, tc.label_smoothing) for step in steps]
+    peak, peak_source = peak_for(tc.gpu_type)
+    path = mfu_from or tc.mfu_from
+    notes: list[str] = []
+    if path:
+        mfu, mfu_source, notes = mfu_from_gpu_check(path, mc, tc.compile, tc.gpu_type)
+    else:
+        mfu, mfu_source = tc.assumed_mfu, ("an ASSUMPTION (train.assumed_mfu), not measured: measure it with "
+                                           "benchmarks/gpu_check.sh and pass --mfu-from gpu_check.json")
+    if tc.precision == "fp32":
+        notes.append("train.precision = fp32: the peak is the 16-bit one; fp32 (TF32) reaches less")
+    with torch.device("meta"):
+        num_params = Transformer(mc).num_parameters()
+    return Bill(num_params=num_params, max_steps=tc.max_steps, num_gpus=elastic.worker_range(cfg)[1],
+                gpu_type=tc.gpu_type, peak_flops=peak, peak_source=peak_source, mfu=mfu, mfu_source=mfu_source,
+                flops_per_step=float(np.mean(flops)),
+                tgt_tokens_per_step=float(np.mean([sum(m.Mt for m in s) for s in steps])),
+                src_tokens_per_step=float(np.mean([sum(m.Ms for m in s) for s in steps])),
+                lengths_source=lengths_source, sampled_steps=len(steps), notes=tuple(notes))
+
+
+def for_train_dir(cfg: Config, mc: ModelConfig, train_dir: str, mfu_from: str = "") -> Bill:
+    """The bill with the encode stage's training lengths (the train stage and a cached --plan)."""
+    from pipeline.train.corpus import load_lengths
+
+    src_len, tgt_len = load_lengths(train_dir)
+    return make_bill(cfg, mc, (src_len, tgt_len), f"the encode stage's {len(src_len):,} training pairs", mfu_from)

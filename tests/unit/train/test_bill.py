@@ -1,0 +1,125 @@
+"""The train stage's bill (pipeline/train/bill.py, pipeline/train/flops.py): torch's FLOP counter
+on the real model against matmul and attention FLOPs by formula for a tiny model; the printed
+hours against the formula from the bill's own printed inputs; the MFU from a gpu_check JSON;
+--plan's bill from a cached encode stage; the same figures as the train run's MLflow params."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from model import ModelConfig
+from pipeline.config import ConfigError, load_config
+from pipeline.stage import Manifest
+from pipeline.train import bill
+from pipeline.train.flops import MicroShape, count_step_flops, six_n_t
+from pipeline.train.stage import _log_bill
+from pipeline.train.synthetic import write_reverse_task
+from workflows.runner import format_bill, make_plan
+
+TINY = ModelConfig(vocab_size=50, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=2, n_decoder_layers=1, dropout=0.1)
+
+
+def by_formula(mc: ModelConfig, shapes: list[MicroShape]) -> int:
+    """Forward + backward FLOPs by hand: a (rows x i) @ (i x o) matmul is 2·rows·i·o forward and
+    twice that backward (the input's and the weight's gradients); attention (QK^T and AV) is
+    2 matmuls of 2·B·h·Tq·Tk·hd each, on the padded shapes, also 3x for forward + backward."""
+    d, f, V, h = mc.d_model, mc.d_ff, mc.vocab_size, mc.n_heads
+    lin = lambda rows, i, o: 6 * rows * i * o  # noqa: E731
+    att = lambda B, tq, tk: 3 * 2 * (2 * B * h * tq * tk * (d // h))  # noqa: E731
+    total = 0
+    for m in shapes:
+        enc = lin(m.Ms, d, 3 * d) + lin(m.Ms, d, d) + lin(m.Ms, d, f) + lin(m.Ms, f, d) + att(m.B, m.S, m.S)
+        dec = (lin(m.Mt, d, 3 * d) + lin(m.Mt, d, d) + att(m.B, m.T, m.T)  # masked self-attention
+               + lin(m.Mt, d, d) + lin(m.Ms, d, 2 * d) + lin(m.Mt, d, d) + att(m.B, m.T, m.S)  # cross: q, kv, o
+               + lin(m.Mt, d, f) + lin(m.Mt, f, d))
+        total += mc.n_encoder_layers * enc + mc.n_decoder_layers * dec + lin(m.Mt, d, V)  # + output projection
+    return total
+
+
+def test_flop_counter_matches_the_hand_count_for_a_tiny_model():
+    shapes = [MicroShape.of(np.array([3, 5]), np.array([4, 2])), MicroShape.of(np.array([7]), np.array([9])),
+              MicroShape.of(np.array([1, 2, 3, 4]), np.array([6, 5, 4, 3]))]
+    assert shapes[0] == MicroShape(B=2, S=6, T=5, Ms=10, Mt=8)
+    assert count_step_flops(TINY, shapes) == by_formula(TINY, shapes)
+    assert count_step_flops(TINY, shapes[:1]) + count_step_flops(TINY, shapes[1:]) == by_formula(TINY, shapes)
+
+
+def _number(text: str, pattern: str) -> float:
+    m = re.search(pattern, text)
+    assert m, (pattern, text)
+    return float(m.group(1).replace(",", ""))
+
+
+def test_the_printed_hours_follow_from_the_printed_inputs():
+    cfg = load_config(None, ["--train.num_workers=8", "--train.gpu_type=H100", "--train.assumed_mfu=0.25",
+                             "--train.max_steps=1000", "--train.tokens_per_step=3000", "--train.max_tokens_per_batch=2000",
+                             "--model.d_model=64", "--model.d_ff=128", "--model.n_heads=2", "--vocab.size=500"])
+    mc = ModelConfig(vocab_size=500, d_model=64, d_ff=128, n_heads=2)
+    text = bill.make_bill(cfg, mc).format()
+    steps = _number(text, r"to train.max_steps = (\d+)")
+    gpus = _number(text, r"train bill: (\d+) x H100")
+    flops = _number(text, r"FLOPs per step +([0-9.e+-]+) counted")
+    peak = _number(text, r"peak +([0-9.e+-]+) FLOP/s")
+    mfu = _number(text, r"MFU +([0-9.]+) =")
+    hours = _number(text, r"= ([0-9.e+-]+) h\n")
+    gpu_hours = _number(text, r"GPU-hours +GPUs x hours = ([0-9.e+-]+)")
+    assert (steps, gpus, peak, mfu) == (1000, 8, 989e12, 0.25)
+    assert hours == pytest.approx(steps * flops / (gpus * peak * mfu) / 3600, rel=1e-3)
+    assert gpu_hours == pytest.approx(gpus * hours, rel=1e-3)
+    assert "ASSUMPTION" in text and "assumed lengths" in text
+    n = int(_number(text, r"parameters +([0-9,]+) "))
+    tgt = _number(text, r"T = ([0-9,]+) target tokens")
+    assert _number(text, r"\n +([0-9.e+-]+) by 6\*N\*T") == pytest.approx(six_n_t(n, tgt), rel=1e-3)
+    assert 2000 <= tgt <= 3000 + 130  # a step closes once it holds tokens_per_step target tokens
+
+
+def gpu_check_json(tmp_path, **row) -> str:
+    path = tmp_path / "gpu_check.json"
+    sections = {"train base eager": {"status": "ok", "mfu_pct": 20.0, "mfu_counted_pct": 24.0, **row},
+                "train base compiled": {"status": "failed"}}
+    path.write_text(json.dumps({"env": {"device": "NVIDIA H200"}, "smoke": False, "sections": sections}))
+    return str(path)
+
+
+def test_mfu_from_a_gpu_check_json(tmp_path):
+    base = ModelConfig.base(37000)
+    mfu, source, notes = bill.mfu_from_gpu_check(gpu_check_json(tmp_path), base, compiled=True, gpu_type="H200")
+    assert mfu == 0.24 and "measured: gpu_check 'train base eager'" in source and notes == []  # compiled failed
+    older = gpu_check_json(tmp_path, mfu_counted_pct=None)
+    data = json.loads(open(older).read())
+    del data["sections"]["train base eager"]["mfu_counted_pct"]
+    open(older, "w").write(json.dumps(data))
+    mfu, _, notes = bill.mfu_from_gpu_check(older, base, compiled=False, gpu_type="A100")
+    assert mfu == 0.20 and any("overestimate" in n for n in notes) and any("applied to A100" in n for n in notes)
+    with pytest.raises(ConfigError, match="no finished train row"):
+        bill.mfu_from_gpu_check(older, ModelConfig.big(37000), compiled=False, gpu_type="H200")
+    with pytest.raises(ConfigError, match="train.gpu_type = 'P100'"):
+        bill.peak_for("P100")
+
+
+def test_plan_bills_with_the_cached_encode_stage_and_the_run_logs_it(tmp_path):
+    cfg = load_config(None, [f"--run.work_dir={tmp_path / 'work'}", "--train.max_steps=100",
+                             "--train.tokens_per_step=500", "--train.max_tokens_per_batch=400", "--train.num_workers=2",
+                             "--train.checkpoint_interval_steps=20",
+                             "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2"])
+    train_dir = write_reverse_task(tmp_path / "train", 400, 64, seed=0, length_jitter=3)
+    plans = make_plan(cfg)
+    by = {p.stage.name: p for p in plans}
+    by["vocab"].manifest = Manifest("vocab", by["vocab"].key, "", {"vocab_size": 64})
+    by["encode"].manifest = Manifest("encode", by["encode"].key, "", {"splits": {"train": {"dir": str(train_dir)}}})
+    text = format_bill(cfg, plans, gpu_check_json(tmp_path))
+    assert "the encode stage's 400 training pairs" in text and "2 x A100" in text
+    assert "measured: gpu_check 'train base eager'" in text and "applied to A100" in text
+
+    logged = {}
+    ctx = SimpleNamespace(cfg=cfg, tracker=SimpleNamespace(log_params=logged.update))
+    mc = ModelConfig(vocab_size=64, d_model=32, d_ff=64, n_heads=2)
+    _log_bill(ctx, mc, str(train_dir))
+    b = bill.for_train_dir(cfg, mc, str(train_dir))
+    assert logged["bill/hours"] == f"{b.hours:.4g}" and logged["bill/num_gpus"] == 2
+    assert logged["bill/mfu_source"].startswith("an ASSUMPTION")

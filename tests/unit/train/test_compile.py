@@ -1,0 +1,89 @@
+"""train.compile = true on this CPU: over a few hundred real token-bucketed steps (the loop's own
+plan, split and collate, source and target lengths that differ) the graphs torch.compile builds
+stay few and stop growing after the first step and the first validation; losses equal eager's.
+
+How many and why (pipeline/train/compiled.py): with dynamic=True and duck sizing off, the graphs
+built at the first step (2 on torch 2.13: dynamo hands the backend the training forward twice on
+its first call, with no guard failure logged) serve every later training batch shape; the first
+validation adds one for grad mode off and one for a dev batch of a single pair (sizes 0 and 1 are
+always specialized); nothing is compiled after that.
+
+Recompile counting runs dynamo with the "aot_eager" backend (dynamo's capture and guards and
+AOTAutograd's forward/backward split, no code generation: seconds, not minutes); loss equality
+runs inductor (C++ code generated and compiled here) with `fallback_random`, so dropout draws the
+same masks as eager. Tolerances: fp32 1e-4 relative per step (fused kernels reorder sums);
+CPU bf16 2e-2 (inductor keeps some intermediates in fp32 that eager rounds to bf16).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import ModelConfig
+from pipeline.config import Config
+from pipeline.train.loop import LocalSession, LoopSpec, Trainer
+from pipeline.train.precision import cpu_bf16_features
+from pipeline.train.synthetic import write_reverse_task
+from tests.unit.train.test_loop import one_thread  # noqa: F401 (fixture)
+
+VOCAB = 96
+PRECISIONS = ["fp32", pytest.param("bf16", marks=pytest.mark.skipif(not cpu_bf16_features(),
+                                                                     reason="this CPU has no native bf16"))]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("compile")
+    return (write_reverse_task(root / "train", 4000, VOCAB, min_len=1, max_len=60, seed=0, length_jitter=4),
+            write_reverse_task(root / "dev", 60, VOCAB, min_len=1, max_len=60, seed=1, length_jitter=4))
+
+
+def trainer(shards, tmp: Path, precision: str, backend: str | None, max_steps: int, eval_every: int = 0,
+            dropout: float = 0.1) -> Trainer:
+    cfg = Config()
+    t = cfg.train
+    t.max_steps, t.tokens_per_step, t.max_tokens_per_batch, t.warmup_steps = max_steps, 600, 400, 20
+    t.log_interval_steps, t.checkpoint_interval_steps = 1, 10**6
+    t.eval_interval_steps = eval_every or 10**6
+    t.precision, t.compile, t.compile_backend = precision, backend is not None, backend or "inductor"
+    mc = ModelConfig(vocab_size=VOCAB, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
+                     dropout=dropout)
+    spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(shards[0]),
+                    dev_dir=str(shards[1]) if eval_every else "")
+    return Trainer(spec, LocalSession(tmp))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_graphs_stay_few_and_stop_growing_over_hundreds_of_bucketed_steps(shards, tmp_path, precision):
+    torch._dynamo.reset()
+    tr = trainer(shards, tmp_path, precision, "aot_eager", max_steps=300, eval_every=100)
+    at_step: list[int] = []  # the step during which each graph was compiled
+    inner = tr.compiler.inner
+    tr.compiler.inner = lambda gm, inputs: at_step.append(tr.progress.step) or inner(gm, inputs)
+    out = tr.run()
+    assert out["compiled_graphs"] == len(at_step)
+    # the first step (training) and the first validation (after step 100) compile; nothing after
+    assert set(at_step) <= {0, 100}, at_step
+    assert at_step.count(0) <= 2  # the training forward (see the module docstring)
+    assert out["compiled_graphs"] <= 6  # far from dynamo's recompile limit (8), past which it silently runs eager
+
+
+def _losses(out: dict) -> list[float]:
+    return [h[1] for h in out["history_train"]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, tol", [("fp32", 1e-4), pytest.param("bf16", 2e-2, marks=PRECISIONS[1].marks)])
+def test_inductor_losses_equal_eager(shards, tmp_path, precision, tol):
+    torch._dynamo.reset()
+    eager = trainer(shards, tmp_path / "eager", precision, None, max_steps=25).run()
+    with torch._inductor.config.patch(fallback_random=True):  # eager's dropout masks
+        compiled = trainer(shards, tmp_path / "compiled", precision, "inductor", max_steps=25).run()
+    a, b = _losses(eager), _losses(compiled)
+    assert len(a) == len(b) == 25
+    assert max(abs(x - y) / x for x, y in zip(a, b)) < tol
+    assert compiled["compiled_graphs"] <= 2
