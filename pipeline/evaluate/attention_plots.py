@@ -20,14 +20,12 @@ MIN_PIECES, MAX_PIECES = 5, 16  # readable axis labels: sentences of this many s
 
 
 def pick_sentences(src_ids: Sequence[Sequence[int]], hyps: Sequence[str], count: int) -> list[int]:
-    """The first ``count`` positions whose source has MIN..MAX pieces and whose hypothesis is not empty."""
-    chosen = []
-    for i, (ids, hyp) in enumerate(zip(src_ids, hyps)):
-        if len(chosen) == count:
-            break
-        if MIN_PIECES <= len(ids) <= MAX_PIECES and hyp.strip():
-            chosen.append(i)
-    return chosen
+    """``count`` test positions, in order: first those whose source has MIN..MAX pieces and whose
+    hypothesis is not empty (readable axis labels), then, if too few, the shortest other sources."""
+    fits = [i for i, (ids, hyp) in enumerate(zip(src_ids, hyps)) if MIN_PIECES <= len(ids) <= MAX_PIECES
+            and hyp.strip()][:count]
+    rest = sorted((i for i, ids in enumerate(src_ids) if ids and i not in set(fits)), key=lambda i: len(src_ids[i]))
+    return sorted(fits + rest[:count - len(fits)])
 
 
 def draw(maps: Any, src_pieces: list[str], tgt_pieces: list[str], kind: str, path: Path, title: str) -> Path:

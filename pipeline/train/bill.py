@@ -100,7 +100,7 @@ class Bill:
     def format(self) -> str:
         pct = f"{100 * self.mfu:.3g}%"
         lines = [
-            f"train bill: {self.num_gpus} x {self.gpu_type} to train.max_steps = {self.max_steps}",
+            f"bill of the train stage: {self.num_gpus} x {self.gpu_type} to train.max_steps = {self.max_steps}",
             f"  parameters        {self.num_params:,} ({self.num_params / 1e6:.1f}M, the tied embedding once)",
             f"  batches           {self.lengths_source}; {self.sampled_steps} step(s) sampled: "
             f"{self.tgt_tokens_per_step:,.0f} target + {self.src_tokens_per_step:,.0f} source tokens per step",

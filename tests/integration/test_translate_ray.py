@@ -80,6 +80,7 @@ def _ctx(assets, tmp_path, num_workers: int) -> StageContext:
     cfg = Config()
     cfg.eval.num_workers = num_workers
     cfg.eval.use_gpu = False
+    cfg.eval.attention_sentences = 0  # no vocab stage in this ctx; the heatmaps are tested in test_multi30k_dag.py
     cfg.eval.beam_size = 2
     cfg.eval.max_len_b = MAX_LEN_B
     cfg.eval.batch_tokens = 400  # several batches per worker

@@ -62,7 +62,7 @@ def test_the_printed_hours_follow_from_the_printed_inputs():
     mc = ModelConfig(vocab_size=500, d_model=64, d_ff=128, n_heads=2)
     text = bill.make_bill(cfg, mc).format()
     steps = _number(text, r"to train.max_steps = (\d+)")
-    gpus = _number(text, r"train bill: (\d+) x H100")
+    gpus = _number(text, r"bill of the train stage: (\d+) x H100")
     flops = _number(text, r"FLOPs per step +([0-9.e+-]+) counted")
     peak = _number(text, r"peak +([0-9.e+-]+) FLOP/s")
     mfu = _number(text, r"MFU +([0-9.]+) =")
