@@ -43,12 +43,17 @@ def spec_for(shards: Path, uri: str, run_id: str, max_steps: int, work_dir: Path
                     tracking_uri=uri, run_id=run_id)
 
 
-def test_a_tracking_outage_costs_no_training_time(tmp_path, monkeypatch):
-    from mlflow import MlflowClient
-
+def _fail_fast_mlflow(monkeypatch) -> None:
+    """MLflow's client gives up on a dead server within seconds (its defaults retry for minutes)."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+
+
+def test_a_tracking_outage_costs_no_training_time(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    _fail_fast_mlflow(monkeypatch)
     torch.set_num_threads(1)
     shards = write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0)
     server = MlflowServer(tmp_path / "mlflow")
@@ -112,9 +117,7 @@ def test_training_that_ends_during_an_outage_loses_no_point(tmp_path, monkeypatc
 
     from pipeline.tracking import BufferedRunLogger, MetricSpool, deliver_spool, spool_dir_for
 
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    _fail_fast_mlflow(monkeypatch)
     monkeypatch.setattr(BufferedRunLogger.close, "__defaults__", (8.0,))  # the loop's close waits 60 s
     torch.set_num_threads(1)
     shards = write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0)
