@@ -59,7 +59,6 @@ def attention_figures(model_path: str, model_config: dict[str, Any], spm_path: s
     """Draw the maps of up to ``count`` test sentences into ``out_dir``; what was drawn (file
     names, the sentence, its translation)."""
     import sentencepiece as spm
-    import torch
 
     from model.attention import attention_weights
     from pipeline import storage
@@ -69,22 +68,21 @@ def attention_figures(model_path: str, model_config: dict[str, Any], spm_path: s
     model = load_model(model_path, model_config)
     cfg = model.cfg
     out = []
-    if True:
-        for n, i in enumerate(pick_sentences(src_ids, hyps, count)):
-            src = list(src_ids[i]) + [cfg.eos_id]
-            tgt = [cfg.bos_id] + sp.encode(hyps[i], out_type=int)
-            maps = attention_weights(model, src, tgt)
-            src_pieces = [sp.id_to_piece(t) for t in src_ids[i]] + ["</s>"]
-            # Row t of a decoder map is the query that produces output piece t: label rows by it.
-            tgt_pieces = [sp.id_to_piece(t) for t in tgt[1:]] + ["</s>"]
-            source = sp.decode(list(src_ids[i]))
-            files = {}
-            for kind, name in (("cross", "cross"), ("encoder_self", "encoder")):
-                path = out_dir / f"attention-{n + 1}-{name}.png"
-                what = "decoder cross-attention (rows: translation, columns: source)" if kind == "cross" else \
-                    "encoder self-attention"
-                draw(maps[kind], src_pieces, tgt_pieces, kind, path, f"{what}\n{source}  ->  {hyps[i]}")
-                files[kind] = path.name
-            out.append({"index": i, "source": source, "translation": hyps[i], "files": files})
+    for n, i in enumerate(pick_sentences(src_ids, hyps, count)):
+        src = list(src_ids[i]) + [cfg.eos_id]
+        tgt = [cfg.bos_id] + sp.encode(hyps[i], out_type=int)
+        maps = attention_weights(model, src, tgt)
+        src_pieces = [sp.id_to_piece(t) for t in src_ids[i]] + ["</s>"]
+        # Row t of a decoder map is the query that produces output piece t: label rows by it.
+        tgt_pieces = [sp.id_to_piece(t) for t in tgt[1:]] + ["</s>"]
+        source = sp.decode(list(src_ids[i]))
+        files = {}
+        for kind, name in (("cross", "cross"), ("encoder_self", "encoder")):
+            path = out_dir / f"attention-{n + 1}-{name}.png"
+            what = "decoder cross-attention (rows: translation, columns: source)" if kind == "cross" else \
+                "encoder self-attention"
+            draw(maps[kind], src_pieces, tgt_pieces, kind, path, f"{what}\n{source}  ->  {hyps[i]}")
+            files[kind] = path.name
+        out.append({"index": i, "source": source, "translation": hyps[i], "files": files})
     log.info("score: attention maps of %d test sentence(s) drawn", len(out))
     return out

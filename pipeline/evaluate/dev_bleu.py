@@ -250,19 +250,27 @@ def write_record(run_dir: str, record: dict[str, Any]) -> None:
     storage.write_json(storage.join(run_dir, RECORDS, f"{record['checkpoint']}.json"), record)
 
 
-def read_records(run_dir: str) -> list[dict[str, Any]]:
-    """Every record of the run, by step (none: [])."""
-    folder = storage.join(run_dir, RECORDS)
+def record_names(run_dir: str) -> list[str]:
+    """The names of the run's record files (none: [])."""
     try:
-        files = [rel for rel, _ in storage.list_files(folder) if rel.endswith(".json")]
+        return sorted(rel for rel, _ in storage.list_files(storage.join(run_dir, RECORDS)) if rel.endswith(".json"))
     except (FileNotFoundError, OSError):
         return []
+
+
+def read_record(run_dir: str, name: str) -> dict[str, Any]:
+    """One record (OSError / ValueError while it is being written)."""
+    return storage.read_json(storage.join(run_dir, RECORDS, name))
+
+
+def read_records(run_dir: str) -> list[dict[str, Any]]:
+    """Every record of the run, by step (none: [])."""
     records = []
-    for rel in files:
+    for name in record_names(run_dir):
         try:
-            records.append(storage.read_json(storage.join(folder, rel)))
+            records.append(read_record(run_dir, name))
         except (OSError, ValueError):
-            log.warning("dev BLEU: unreadable record %s", storage.join(folder, rel))
+            log.warning("dev BLEU: unreadable record %s", storage.join(run_dir, RECORDS, name))
     return sorted(records, key=lambda r: r.get("step", 0))
 
 

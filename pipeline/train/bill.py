@@ -225,9 +225,13 @@ def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarra
                 lengths_source=lengths_source, sampled_steps=len(steps), notes=tuple(notes))
 
 
+def for_lengths(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray], mfu_from: str = "") -> Bill:
+    """The bill with the encode stage's training lengths (src_len, tgt_len), already loaded (the train stage)."""
+    return make_bill(cfg, mc, lengths, f"the encode stage's {len(lengths[0]):,} training pairs", mfu_from)
+
+
 def for_train_dir(cfg: Config, mc: ModelConfig, train_dir: str, mfu_from: str = "") -> Bill:
-    """The bill with the encode stage's training lengths (the train stage and a cached --plan)."""
+    """The bill with the encode stage's training lengths, read from its split (a cached --plan)."""
     from pipeline.train.corpus import load_lengths
 
-    src_len, tgt_len = load_lengths(train_dir)
-    return make_bill(cfg, mc, (src_len, tgt_len), f"the encode stage's {len(src_len):,} training pairs", mfu_from)
+    return for_lengths(cfg, mc, load_lengths(train_dir), mfu_from)

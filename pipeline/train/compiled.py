@@ -41,11 +41,9 @@ class CountingBackend:
         self.name = backend
         self.inner = lookup_backend(backend)
         self.num_graphs = 0
-        self.shapes: list[list[tuple[Any, ...]]] = []  # example input shapes of each graph (for messages)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self.num_graphs += 1
-        self.shapes.append([tuple(x.shape) for x in example_inputs if isinstance(x, torch.Tensor)])
         log.info("torch.compile (%s): graph %d (%d nodes)", self.name, self.num_graphs, len(gm.graph.nodes))
         return self.inner(gm, example_inputs)
 

@@ -89,20 +89,14 @@ class DevBleuRecords:
     def new_values(self, up_to: int) -> list[tuple[int, float]]:
         """(step, dev sacreBLEU) of the records of steps <= `up_to` not returned before (a record
         of a later step, possible only for a checkpoint this attempt has not reached, waits)."""
-        from pipeline import storage
-        from pipeline.evaluate.dev_bleu import RECORDS
+        from pipeline.evaluate.dev_bleu import read_record, record_names
 
-        folder = storage.join(self.run_dir, RECORDS)
-        try:
-            names = sorted(rel for rel, _ in storage.list_files(folder) if rel.endswith(".json"))
-        except (FileNotFoundError, OSError):
-            return []
         out = []
-        for rel in names:
+        for rel in record_names(self.run_dir):
             if rel in self.seen:
                 continue
             try:
-                record = storage.read_json(storage.join(folder, rel))
+                record = read_record(self.run_dir, rel)
             except (OSError, ValueError):
                 continue  # being written: read it next time
             if int(record.get("step", 0)) > up_to:

@@ -56,12 +56,14 @@ class TrainInputError(ValueError):
 # Driver-side checks
 
 
-def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str) -> dict[str, Any]:
-    """Fail fast with a clear message; return data statistics for the log and the outputs."""
+def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str,
+              lengths: tuple[np.ndarray, np.ndarray]) -> dict[str, Any]:
+    """Fail fast with a clear message; return data statistics for the log and the outputs.
+    ``lengths``: the training split's (src_len, tgt_len) (``load_lengths``)."""
     tc = cfg.train
     if not shard_files(train_dir):
         raise TrainInputError(f"train: no Parquet shards in the training split {train_dir}")
-    src_len, tgt_len = load_lengths(train_dir)
+    src_len, tgt_len = lengths
     if len(src_len) == 0:
         raise TrainInputError(f"train: the training split {train_dir} is empty (0 pairs)")
     keep = batching.keep_mask(src_len, tgt_len, tc.max_len)
@@ -217,7 +219,8 @@ def run(ctx: StageContext) -> StageResult:
     mc = model_config_for(cfg, ctx.inputs["vocab"].outputs)
     train_dir = encode["splits"]["train"]["dir"]
     dev_dir = encode["splits"].get("dev", {}).get("dir", "")
-    stats = preflight(cfg, mc, train_dir, dev_dir)
+    lengths = load_lengths(train_dir)  # read once: the checks and the bill
+    stats = preflight(cfg, mc, train_dir, dev_dir, lengths)
     spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=storage.absolute(train_dir),
                     dev_dir=storage.absolute(dev_dir) if dev_dir else "",
                     tracking_uri=getattr(ctx.tracker, "tracking_uri", None),
@@ -229,7 +232,7 @@ def run(ctx: StageContext) -> StageResult:
                                             tracking_uri=spec.tracking_uri, run_id=spec.run_id)
     spec.dev_bleu_dir = storage.absolute(run_dir) if validation is not None else ""
     check_early_stop(cfg, dev_dir, vocab)
-    _log_bill(ctx, mc, train_dir)
+    _log_bill(ctx, mc, lengths)
     t0 = time.time()
     result = fit(cfg, spec, ctx.key, storage_path, validation)
     summary = result.return_value or {}
@@ -297,12 +300,12 @@ def check_early_stop(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> None:
              tc.early_stop_metric)
 
 
-def _log_bill(ctx: StageContext, mc: ModelConfig, train_dir: str) -> None:
+def _log_bill(ctx: StageContext, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray]) -> None:
     """--plan's bill (pipeline/train/bill.py) as the run's MLflow params; never fails training."""
     from pipeline.train import bill
 
     try:
-        b = bill.for_train_dir(ctx.cfg, mc, train_dir)
+        b = bill.for_lengths(ctx.cfg, mc, lengths)
         log.info("train: the bill at train.gpu_type %s: %.4g FLOPs per step, %.3g h and %.3g GPU-hours at MFU %.3g",
                  b.gpu_type, b.flops_per_step, b.hours, b.gpu_hours, b.mfu)
         ctx.tracker.log_params(b.params())

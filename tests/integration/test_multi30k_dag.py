@@ -61,7 +61,10 @@ def test_multi30k_config_end_to_end(tmp_path, multi30k_dir, capsys, monkeypatch)
     assert prepare["outputs"]["splits"]["test"]["num_rows"] == 1000
     # dev BLEU per checkpoint on the preprocessed dev set, the benchmark's metric included
     history = client.get_metric_history(children["train"].info.run_id, "dev/bleu_tok_lc")
-    assert sorted(m.step for m in history) == [12, 24]
+    # The last checkpoint is always validated; step 12's is skipped when step 24 is registered first
+    # (a backlog drains to the newest, README "Dev BLEU per checkpoint"), as CPU=0 may make it.
+    steps = sorted(m.step for m in history)
+    assert steps[-1] == 24 and set(steps) <= {12, 24}, steps
 
     score_dir = next(work.glob("score/*/"))
     report = (score_dir / "report.md").read_text()

@@ -17,6 +17,7 @@ from pipeline.config import ConfigError, load_config
 from pipeline.stage import Manifest
 from pipeline.train import bill
 from pipeline.train.flops import MicroShape, count_step_flops, six_n_t
+from pipeline.train.corpus import load_lengths
 from pipeline.train.stage import _log_bill
 from pipeline.train.synthetic import write_reverse_task
 from workflows.runner import format_bill, make_plan
@@ -119,7 +120,7 @@ def test_plan_bills_with_the_cached_encode_stage_and_the_run_logs_it(tmp_path):
     logged = {}
     ctx = SimpleNamespace(cfg=cfg, tracker=SimpleNamespace(log_params=logged.update))
     mc = ModelConfig(vocab_size=64, d_model=32, d_ff=64, n_heads=2)
-    _log_bill(ctx, mc, str(train_dir))
+    _log_bill(ctx, mc, load_lengths(str(train_dir)))
     b = bill.for_train_dir(cfg, mc, str(train_dir))
     assert logged["bill/hours"] == f"{b.hours:.4g}" and logged["bill/num_gpus"] == 2
     assert logged["bill/mfu_source"].startswith("an ASSUMPTION")
