@@ -128,7 +128,7 @@ def validate_checkpoint(checkpoint: Any, *, run_dir: str, dev_dir: str, spm: str
     name = Path(checkpoint.path).name
     step = step_of(name)
     newest = newest_registered_step(run_dir)
-    base = {"checkpoint": name, "step": step, "settings": settings}
+    base = {"checkpoint": name, "step": step, "settings": settings, "started_unix": time.time()}
     if newest > step:
         log.info("dev BLEU: skipping %s (step %d): checkpoint at step %d is newer", name, step, newest)
         write_record(run_dir, {**base, "status": "skipped", "newer_step": newest})
