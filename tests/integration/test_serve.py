@@ -1,7 +1,8 @@
 """The Ray Serve app on 127.0.0.1 (the test session's local Ray): good and bad requests, all answered.
 
 The tiny trained model (tests/integration/conftest.py) behind ``POST /translate``: translations
-equal the ``Translator``'s for the same sentences; concurrent clients are all answered; each kind
+equal the ``Translator``'s for the same sentences; concurrent clients each get their own
+sentences translated (no cross-talk between requests batched together); each kind
 of bad input gets a 4xx naming the problem, and the replica keeps serving afterwards. The same
 model served from a config's DAG plan on an ``s3://`` work dir (the suite's moto server) and from
 a Model Registry version answers the same; an overloaded replica answers 503 with Retry-After.
@@ -77,13 +78,26 @@ def test_good_requests_are_translated_like_the_translator_does(server, tiny_mode
         assert r.status == 200 and json.loads(r.read())["status"] == "ok"
 
 
-def test_concurrent_clients_are_all_answered(server, wmt14_dir):
-    en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:24]
-    bodies = [_json({"text": en[i: i + 3]}) for i in range(0, 24, 3)]
-    with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda b: _post(f"{server}/translate", b), bodies))
-    assert [s for s, _ in answers] == [200] * len(bodies)
-    assert all(len(a["translations"]) == 3 for _, a in answers)
+def test_concurrent_clients_each_get_their_own_sentences_translated(server, tiny_model, wmt14_dir):
+    """Cross-talk: 16 clients at once, different sentences and counts (1-4), batched together by
+    ``@serve.batch`` (max 8 sentences a batch); each answer must be its own sentences, in its order,
+    translated as the Translator translates each sentence alone."""
+    from pipeline.evaluate.translate import Translator
+
+    en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[100:140]
+    requests, i = [], 0
+    for n in [1, 2, 3, 4] * 4:
+        requests.append(en[i: i + n])
+        i = (i + n) % (len(en) - 4)
+    tr = Translator(tiny_model["model"], tiny_model["model_config"], tiny_model["spm"],
+                    {"beam_size": 2, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": MAX_LEN_B})
+    alone = {s: tr.translate_ids([tr.sp.encode(s) + [3]])[0] for s in {s for r in requests for s in r}}
+    assert len(set(alone.values())) > len(alone) // 2, "the tiny model's outputs should differ by input"
+    with ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(lambda r: _post(f"{server}/translate", _json({"text": r})), requests))
+    assert [s for s, _ in answers] == [200] * len(requests), answers
+    for sentences, (_, answer) in zip(requests, answers):
+        assert answer["translations"] == [alone[s] for s in sentences], sentences
 
 
 @pytest.mark.parametrize("body, status, words", [
