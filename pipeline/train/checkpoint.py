@@ -115,10 +115,6 @@ def load(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Opt
     return Progress(**{k: v for k, v in state.items() if k in known})
 
 
-def read_meta(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / META_FILE).read_text())
-
-
 def report(session: Any, step: int, metrics: dict[str, Any], upload_async: bool,
            write: Callable[[str], None]) -> None:
     """Rank 0 writes the checkpoint of `step` (`write(folder)`) into a fresh local folder and
