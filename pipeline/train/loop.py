@@ -33,15 +33,14 @@ import numpy as np
 import torch
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
-from pipeline.config import ConfigError, from_dict as config_from_dict
+from pipeline.config import from_dict as config_from_dict
 from pipeline.train import batching
-from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train import elastic, preemption
 from pipeline.train.cadence import Cadence
-from pipeline.train.checkpoint import Progress
+from pipeline.train.checkpoint import Checkpointer, Progress
 from pipeline.train.compiled import compile_model
 from pipeline.train.corpus import load_corpus, load_shared_corpus
-from pipeline.train.early_stop import DevBleuRecords, EarlyStop, agree, val_loss_values
+from pipeline.train.early_stop import LoopStop
 from pipeline.train.feeder import Feeder, HostBatcher, HostBatches
 from pipeline.train.metrics import TrainLog, Window
 from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
@@ -101,7 +100,12 @@ class Trainer:
             self.forward_model, self.compiler = compile_model(self.model, self.tc.compile_backend)
         self.progress = Progress()
         self.cadence = Cadence(self.tc, self.world, self.device, validates=self.validate is not None)
-        self.early, self._stop_pending = self._early_stop(spec), False
+        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
+        extra = {"seed": self.tc.seed, "world_size": self.world, "num_dropped": self.num_dropped}
+        self.checkpoints = Checkpointer(session, self.rank, self.device, self.tc, state, self.cadence,
+                                        spec.model_config, extra)
+        self.early_stop = LoopStop.for_loop(self.tc, self.validate is not None, spec.dev_bleu_dir, self.rank,
+                                            self.world, self.device)
         self.start_step = 0  # the step this attempt resumed from
         self.metrics = TrainLog(self.progress, self.tc.max_steps, self.rank, self.world, self.device,
                                 spec.tracking_uri, spec.run_id, self.cfg.tracking.buffer_s,
@@ -119,35 +123,13 @@ class Trainer:
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None
                          else contextlib.nullcontext)
 
-    def _early_stop(self, spec: LoopSpec) -> EarlyStop | None:
-        tc = self.tc
-        if not tc.early_stop_patience:
-            return None
-        if tc.early_stop_metric == "val_loss" and self.validate is None:
-            raise ConfigError("train.early_stop_metric = 'val_loss' needs a dev split (the encode stage has none)")
-        if tc.early_stop_metric == "dev_bleu" and not spec.dev_bleu_dir:
-            raise ConfigError("train.early_stop_metric = 'dev_bleu' needs dev BLEU per checkpoint "
-                              "(eval.dev_bleu and a dev split); or use 'val_loss'")
-        self.dev_bleu = DevBleuRecords(spec.dev_bleu_dir) if tc.early_stop_metric == "dev_bleu" else None
-        return EarlyStop(tc.early_stop_patience, tc.early_stop_metric)
-
     def restore(self) -> None:
-        with self.session.latest_checkpoint() as path:
-            if path is None:
-                return
-            self.progress = train_checkpoint.load(path, model=self.model, optimizer=self.optimizer,
-                                                  scheduler=self.scheduler, scaler=self.scaler, device=self.device)
-        self.metrics.progress = self.progress
-        if self.rank == 0:
-            log.info("resumed from checkpoint at step %d (epoch %d, step %d of that epoch)",
-                     self.progress.step, self.progress.epoch, self.progress.step_in_epoch)
-        e, p = self.early, self.progress
-        if e is not None and self.rank == 0:  # continue the count from what was logged up to here
-            logged = val_loss_values(p.history_val) if e.metric == "val_loss" else self.dev_bleu.new_values(p.step)
-            self._stop_pending = e.replay(logged, p.step) and not p.early_stop
-            if e.best is not None:
-                log.info("early stopping: %d of %d validation(s) without improvement of %s at the resume "
-                         "(best %.4f at step %d)", e.num_bad, e.patience, e.metric, e.best, e.best_step)
+        progress = self.checkpoints.restore()
+        if progress is None:
+            return
+        self.progress = self.metrics.progress = progress
+        if self.early_stop is not None:  # continue the count from what was logged up to here
+            self.early_stop.resume(self.progress)
 
     def run(self) -> dict[str, Any]:
         self.restore()
@@ -185,7 +167,8 @@ class Trainer:
                         self.metrics.log({"train/compiled_graphs": float(self.compiler.num_graphs)})
                 if self.cadence.validates_at(p.step):
                     self._validate(model)
-                stop = self._should_stop()  # then the checkpoint of this step records it
+                # then the checkpoint of this step records it
+                stop = self.early_stop is not None and self.early_stop.decide(p, self.cadence, self.metrics.log)
                 if notice is not None:  # before the interval checkpoint: this one is synchronous
                     preemption.stop_if_noticed(notice, time.perf_counter() - t_step, p.step,
                                                lambda: self._checkpoint(sync=True), self.session)
@@ -234,28 +217,6 @@ class Trainer:
         p.tokens_src += step_src
         p.tokens_tgt += step_tgt
 
-    def _should_stop(self) -> bool:
-        """Early stopping's decision at this step (rank 0's, agreed by all): on validation steps
-        for val_loss, on log steps for dev BLEU (its records arrive asynchronously)."""
-        e, p = self.early, self.progress
-        if e is None or not (self.cadence.validates_at(p.step) if e.metric == "val_loss"
-                             else self.cadence.logs(p.step)):
-            return False
-        stop = False
-        if self.rank == 0:
-            values = val_loss_values(p.history_val[-1:]) if e.metric == "val_loss" else self.dev_bleu.new_values(p.step)
-            for step, value in values:
-                stop = e.observe(step, value) or stop
-            stop, self._stop_pending = stop or self._stop_pending, False
-        if not agree(stop, self.device, self.world):
-            return False
-        p.early_stop = e.record(p.step, self.tc.max_steps)
-        if self.rank == 0:
-            log.warning("early stop at step %d of %d: %s", p.step, self.tc.max_steps, e.describe())
-            self.metrics.log({"train/early_stop_step": float(p.step), "train/early_stop_best": float(e.best),
-                              "train/early_stop_best_step": float(e.best_step)})
-        return True
-
     def _validate(self, model: torch.nn.Module) -> None:
         m = self.validate(model)
         if m is None:
@@ -267,21 +228,7 @@ class Trainer:
 
     def _checkpoint(self, sync: bool = False) -> float:
         """The seconds the loop waited (`sync`: the upload included)."""
-        p, t0 = self.progress, time.perf_counter()
-        upload_async = self.tc.checkpoint_upload == "async" and not sync
-        extra = {"seed": self.tc.seed, "world_size": self.world, "num_dropped": self.num_dropped}
-        train_checkpoint.report(
-            self.session, p.step, {"step": p.step, "epoch": p.epoch, **self.metrics.last}, upload_async,
-            lambda folder: train_checkpoint.save(folder, model=self.model, optimizer=self.optimizer,
-                                                 scheduler=self.scheduler, scaler=self.scaler, progress=p,
-                                                 model_config=self.spec.model_config, extra=extra))
-        self.cadence.checkpointed()
-        if self.rank == 0:
-            self.metrics.log({"train/checkpoint_stall_s": time.perf_counter() - t0})
-            log.info("step %d/%d | checkpoint %s (%s upload; the loop waited %.2f s)", p.step, self.tc.max_steps,
-                     train_checkpoint.checkpoint_dir_name(p.step), "background" if upload_async else "synchronous",
-                     time.perf_counter() - t0)
-        return time.perf_counter() - t0
+        return self.checkpoints.write(self.progress, self.metrics.last, self.metrics.log, sync)
 
     def summary(self) -> dict[str, Any]:
         p = self.progress
