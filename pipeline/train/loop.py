@@ -8,14 +8,16 @@ One optimizer step = one step group of ~`train.tokens_per_step` target tokens
 the same global plan and takes its share. The `Trainer` is the loop; each of its parts is a unit
 of its own:
 
-    pipeline.train.feeder     this worker's host batches of a step, built one step ahead
+    pipeline.train.feeder     the step groups of each epoch (StepPlan); this worker's host batches
+                              of a step, built one step ahead
     pipeline.train.step       one step on the device: accumulation, loss normalization, Adam
     pipeline.train.metrics    the window since the last log line, the progress line, MLflow
     pipeline.train.validate   dev loss and perplexity
     pipeline.train.cadence    which steps log, validate, checkpoint
-    pipeline.train.early_stop when the dev metric has stopped improving (train.early_stop_patience)
+    pipeline.train.early_stop when the dev metric has stopped improving (train.early_stop_patience;
+                              LoopStop: the loop's decision, rebuilt at a resume)
     pipeline.train.compiled   torch.compile with a count of its (re)compilations (train.compile)
-    pipeline.train.checkpoint the checkpoint folder, written and reported
+    pipeline.train.checkpoint the checkpoint folder, restored, written and reported (Checkpointer)
     pipeline.train.session    Ray Train or the test process (and wrappers around them)
 
 Per-step dropout seeds make a resumed run replay the steps it lost exactly.
@@ -29,19 +31,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
 from pipeline.config import from_dict as config_from_dict
-from pipeline.train import batching
 from pipeline.train import elastic, preemption
 from pipeline.train.cadence import Cadence
 from pipeline.train.checkpoint import Checkpointer, Progress
 from pipeline.train.compiled import compile_model
 from pipeline.train.corpus import load_corpus, load_shared_corpus
 from pipeline.train.early_stop import LoopStop
-from pipeline.train.feeder import Feeder, HostBatcher, HostBatches
+from pipeline.train.feeder import Feeder, HostBatcher, HostBatches, StepPlan
 from pipeline.train.metrics import TrainLog, Window
 from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
 from pipeline.train.precision import resolve_precision, row_multiple
@@ -81,9 +81,7 @@ class Trainer:
         self.device, self.rank, self.world = session.device, session.rank, session.world_size
         self._setup_device(spec.num_threads)
         self.train_data = load_shared_corpus(spec.train_dir, self.tc.corpus_cache_dir or None)
-        keep = batching.keep_mask(self.train_data.src_len, self.train_data.tgt_len, self.tc.max_len)
-        self.rows = np.flatnonzero(keep).astype(np.int32 if len(keep) < 2**31 else np.int64)
-        self.num_dropped = int(len(keep) - len(self.rows))
+        self.plan = StepPlan(self.train_data, self.tc.max_len, self.tc.tokens_per_step, self.tc.seed)
         self.validate = (Validator(load_corpus(spec.dev_dir), self.mcfg, self.tc.max_tokens_per_batch,
                                    self.tc.label_smoothing, self.autocast, self.rank, self.world, self.device)
                          if spec.dev_dir else None)
@@ -101,7 +99,7 @@ class Trainer:
         self.progress = Progress()
         self.cadence = Cadence(self.tc, self.world, self.device, validates=self.validate is not None)
         state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
-        extra = {"seed": self.tc.seed, "world_size": self.world, "num_dropped": self.num_dropped}
+        extra = {"seed": self.tc.seed, "world_size": self.world, "num_dropped": self.plan.num_dropped}
         self.checkpoints = Checkpointer(session, self.rank, self.device, self.tc, state, self.cadence,
                                         spec.model_config, extra)
         self.early_stop = LoopStop.for_loop(self.tc, self.validate is not None, spec.dev_bleu_dir, self.rank,
@@ -137,12 +135,12 @@ class Trainer:
         self.cadence.checkpointed()  # the checkpoint clock starts with the loop
         model = distributed(self.forward_model, self.device, self.world, self.tc.grad_compression)
         p, tc = self.progress, self.tc
-        plan = self._plan(p.epoch)
-        self._log_start(plan)
+        self._log_start()
         if self.rank == 0:
             log.info("training from step %d to %d on %d worker(s), %s; %d pairs kept, %d dropped "
                      "(> train.max_len=%d pieces); %d steps in epoch %d", p.step, tc.max_steps, self.world,
-                     self.precision, len(self.rows), self.num_dropped, tc.max_len, len(plan), p.epoch)
+                     self.precision, len(self.plan.rows), self.plan.num_dropped, tc.max_len,
+                     len(self.plan.groups(p.epoch)), p.epoch)
         window, t_attempt, time_base = Window(), time.perf_counter(), p.train_time_s
         feeder = Feeder(HostBatcher(self.train_data, self.mcfg, self.rank, self.world, tc.max_tokens_per_batch,
                                     self.device, row_multiple(self.precision, self.device)), prefetch=tc.prefetch)
@@ -150,13 +148,11 @@ class Trainer:
         try:
             while p.step < tc.max_steps and not p.early_stop:
                 t_step = time.perf_counter()
-                if p.step_in_epoch >= len(plan):
+                group, nxt = self.plan.at(p.epoch, p.step_in_epoch)
+                if group is None:  # the epoch is over
                     p.epoch, p.step_in_epoch = p.epoch + 1, 0
-                    plan = self._plan(p.epoch)
                     continue
                 self.session.before_step(p.step + 1)
-                group = plan[p.step_in_epoch]
-                nxt = plan[p.step_in_epoch + 1] if p.step_in_epoch + 1 < len(plan) else None
                 self._train_step(model, feeder.take(group), window, lambda: feeder.ahead(nxt))
                 p.step, p.step_in_epoch = p.step + 1, p.step_in_epoch + 1
                 p.train_time_s = time_base + time.perf_counter() - t_attempt
@@ -183,19 +179,14 @@ class Trainer:
             self.metrics.close()
         return self.summary()
 
-    def _log_start(self, plan: list[np.ndarray]) -> None:
+    def _log_start(self) -> None:
         """World size and accumulation at the resume step (elastic runs change them)."""
         p = self.progress
         previous_world, p.world_size = p.world_size or None, self.world
-        if p.step_in_epoch < len(plan):
-            d = self.train_data
-            accum = batching.split_step(plan[p.step_in_epoch], d.src_len, d.tgt_len, self.world,
-                                        self.tc.max_tokens_per_batch).accum
+        group, _ = self.plan.at(p.epoch, p.step_in_epoch)
+        if group is not None:
+            accum = self.plan.accum(group, self.world, self.tc.max_tokens_per_batch)
             elastic.log_start(self.metrics.tracker, self.rank, p.step, self.world, accum, previous_world)
-
-    def _plan(self, epoch: int) -> list[np.ndarray]:
-        d = self.train_data
-        return batching.plan_epoch(self.rows, d.src_len, d.tgt_len, self.tc.tokens_per_step, self.tc.seed, epoch)
 
     def _train_step(self, model: torch.nn.Module, host: HostBatches, window: Window,
                     start_prefetch: Any = None) -> None:
@@ -234,8 +225,8 @@ class Trainer:
         p = self.progress
         return {"final_step": p.step, "start_step": self.start_step, "epoch": p.epoch,
                 "tokens_seen": {"src": p.tokens_src, "tgt": p.tokens_tgt},
-                "train_time_s": p.train_time_s, "num_dropped_too_long": self.num_dropped,
-                "num_pairs": len(self.rows), "precision": self.precision, "world_size": self.world,
+                "train_time_s": p.train_time_s, "num_dropped_too_long": self.plan.num_dropped,
+                "num_pairs": len(self.plan.rows), "precision": self.precision, "world_size": self.world,
                 "history_train": p.history_train, "history_val": p.history_val, "last_metrics": self.metrics.last,
                 "early_stop": p.early_stop or None,
                 "compiled_graphs": self.compiler.num_graphs if self.compiler is not None else None}
