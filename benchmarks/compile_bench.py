@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from model import ModelConfig  # noqa: E402
 from pipeline.config import Config  # noqa: E402
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer  # noqa: E402
-from pipeline.train.synthetic import write_reverse_task  # noqa: E402
+from tests.support.synthetic import write_reverse_task  # noqa: E402
 
 
 def spec_for(args, train_dir: str, precision: str, compile_: bool) -> dict:

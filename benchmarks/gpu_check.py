@@ -184,7 +184,7 @@ def counted_flops_per_tgt_token(trainer: Trainer, mc: ModelConfig, steps: int, s
     """FlopCounterMode's FLOPs per target token (pipeline/train/flops.py, meta device) over up to
     `sample` of the measured (second-half) steps, split as the loop split them."""
     d, tc = trainer.train_data, trainer.tc
-    plan = trainer._plan(0)[steps // 2:steps][:sample]
+    plan = trainer.plan.groups(0)[steps // 2:steps][:sample]
     micro = [[MicroShape.of(d.src_len[c], d.tgt_len[c]) for c in
               batching.split_step(g, d.src_len, d.tgt_len, 1, tc.max_tokens_per_batch).chunks[0] if len(c)]
              for g in plan]

@@ -141,7 +141,7 @@ def ddp_section(pr: Any, trainer: Trainer, plain_tps: float) -> tuple[dict, str]
         # bf16_compress_hook needs NCCL (CUDA) or XCCL: the smoke's gloo DDP runs without it.
         hook = "bf16" if backend == "nccl" else "none"
         ddp = distributed(trainer.forward_model, trainer.device, 1, hook, always=True)
-        plan = trainer._plan(1)[: pr.train_steps["base"]]
+        plan = trainer.plan.groups(1)[: pr.train_steps["base"]]
         host = HostBatcher(trainer.train_data, trainer.mcfg, 0, 1, trainer.tc.max_tokens_per_batch, trainer.device)
         windows: list[Window] = []
         for i, group in enumerate(plan):

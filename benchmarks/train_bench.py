@@ -46,7 +46,7 @@ from pipeline.train.corpus import load_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
 from pipeline.train.precision import resolve_precision, row_multiple
 from pipeline.train.step import accumulate_gradients, optimizer_step, to_device
-from pipeline.train.synthetic import write_reverse_task
+from tests.support.synthetic import write_reverse_task
 
 
 def build(args, work: Path, train_dir: str = "") -> tuple[dict, Config, ModelConfig]:

@@ -322,7 +322,7 @@ class RunConfig:
 
     work_dir: str = op("work")  # local path, s3://..., gs://... or an NFS path; stages write under it
     storage_path: str = op("")  # Ray Train checkpoints; "" = <work_dir>/ray_train
-    ray_address: str = op("")  # "" = connect to a running cluster if any, else start a local Ray
+    ray_address: str = op("")  # "" = RAY_ADDRESS if set, else a new local Ray (pipeline.ray_env.ray_address)
     name: str = op("transformer-base")
     data_num_cpus: float = op(1.0)  # CPUs per Ray Data task/actor (keep < all CPUs: ray#44687)
     data_concurrency: int = op(1)  # Ray Data actors for encode

@@ -15,19 +15,25 @@ _REPO = Path(__file__).resolve().parents[1]
 _GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # read by ray._private.node when a head node starts
 
 
-def ensure_ray(cfg: Config) -> bool:
-    """Use the Ray that is already up (the runner's, a test's); else connect or start one.
+def ray_address(cfg: Config) -> str:
+    """The rule for which Ray a driver uses: ``run.ray_address``, else ``RAY_ADDRESS`` (set inside a
+    submitted job), else "local": a new local Ray that this driver starts and stops. An empty
+    address never joins a running cluster: plain ``ray.init()`` would join whatever cluster a
+    ``ray start`` on this machine recorded in /tmp/ray (and hang if that one is gone)."""
+    return cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or "local"
 
-    ``run.ray_address`` (or ``RAY_ADDRESS``, set inside a submitted job) names a cluster; without
-    either, a new local Ray is started: plain ``ray.init()`` would join whatever cluster a
-    ``ray start`` on this machine recorded in /tmp/ray (and hang if that one is gone).
+
+def ensure_ray(cfg: Config) -> bool:
+    """Use the Ray that is already up (the runner's, a test's); else connect to the cluster
+    `ray_address` names, or start a new local Ray when it says "local".
+
     Returns True when this call started a local Ray (the caller stops it).
     """
     import ray
 
     if ray.is_initialized():
         return False
-    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+    address = ray_address(cfg)
     log.info("starting/connecting Ray (address=%r)", address)
     if address != "local":
         ray.init(address=address, log_to_driver=True)

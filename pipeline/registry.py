@@ -1,5 +1,5 @@
-"""The MLflow Model Registry: tracking's second module (with ``pipeline/tracking.py`` the only code
-that talks to MLflow), kept apart because tracking.py is about runs.
+"""The MLflow Model Registry: tracking's second module (with the ``pipeline/tracking/`` package the only
+code that talks to MLflow), kept apart because pipeline/tracking/ is about runs.
 
 ``register_version`` adds a version of a registered model (one per language pair and size, e.g.
 ``transformer-base-en-de``) from a local MLflow model folder, logged as the ``model`` artifact of

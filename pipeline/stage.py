@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from pipeline.config import Config
 
@@ -24,21 +24,10 @@ class NotImplementedStage(RuntimeError):
     """The stage exists in the DAG but has no implementation yet: it is reported, never faked."""
 
 
-class Tracker(Protocol):
-    """What a stage may log (the runner gives it an MLflow-backed one, tests may give a fake)."""
-
-    run_id: str | None
-    tracking_uri: str | None
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
-    def log_params(self, params: dict[str, Any]) -> None: ...
-    def log_text(self, text: str, artifact_file: str) -> None: ...
-    def log_artifact(self, local_path: str, artifact_path: str | None = None) -> None: ...
-    def set_tags(self, tags: dict[str, str]) -> None: ...
-
-
 class NullTracker:
-    """Logs nothing (tracking disabled, and unit tests)."""
+    """Logs nothing (tracking disabled, and unit tests). Its methods and attributes are what a stage
+    may log through ``ctx.tracker`` (the runner gives it an MLflow-backed one, a
+    ``pipeline.tracking.RunLogger``; tests may give a fake)."""
 
     run_id = None
     tracking_uri = None

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 import pyarrow.fs as pafs
 
@@ -242,20 +242,6 @@ def _fingerprint(fs: pafs.FileSystem, info: pafs.FileInfo) -> str:
         infos = [i for i in fs.get_file_info(pafs.FileSelector(info.path, recursive=True))
                  if i.type == pafs.FileType.File]
     return ";".join(f"{i.path}:{i.size}:{i.mtime_ns}" for i in sorted(infos, key=lambda i: i.path))
-
-
-def iter_lines(uri: str) -> Iterator[str]:
-    """Lines of a UTF-8 text file (without the newline); invalid UTF-8 raises naming the file."""
-    import io
-
-    with open_input(uri) as raw:
-        text = io.TextIOWrapper(raw, encoding="utf-8", newline="\n")
-        lineno = 0
-        try:
-            for lineno, line in enumerate(text, 1):
-                yield line.rstrip("\n").rstrip("\r")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{uri}: invalid UTF-8 after line {lineno}: {e}") from e
 
 
 class StorageAccessError(OSError):

@@ -22,12 +22,12 @@ if str(REPO) not in sys.path:  # `python workflows/reproduce_base.py` puts workf
 
 from pipeline import storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
-from pipeline.ray_env import ensure_ray  # noqa: E402
 from pipeline.dag import ORDER  # noqa: E402
 from pipeline.stage import NotImplementedStage  # noqa: E402
 from workflows import runner  # noqa: E402
 from workflows.lock import WorkDirBusy, WorkDirLock  # noqa: E402
 from workflows.preflight import preflight  # noqa: E402
+from workflows.session import driver_session  # noqa: E402
 
 log = logging.getLogger("reproduce_base")
 
@@ -81,16 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if all(p.action != "run" for p in plans):
         log.info("every selected stage is cached: nothing to run")
-    from pipeline.tracking import Tracking
-
-    started_ray = False
     try:
-        with WorkDirLock(cfg.run.work_dir):
-            if any(p.action == "run" for p in plans):
-                started_ray = ensure_ray(cfg)
-            tracking = Tracking(cfg)
-            tracking.end_dead_runs()  # under the lock: RUNNING runs of this work dir are a dead driver's
-            with tracking.parent_run({"config_file": ", ".join(args.config or []), "argv": " ".join(sys.argv[1:])}):
+        with driver_session(cfg, start_ray=any(p.action == "run" for p in plans)) as session:
+            with session.parent_run({"config_file": ", ".join(args.config or []),
+                                     "argv": " ".join(sys.argv[1:])}) as tracking:
                 manifests = runner.execute(cfg, plans, tracking)
         report = manifests["score"].outputs.get("report") if "score" in manifests else None
         if report:  # the one table a user looks for: ours next to the paper's
@@ -98,11 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, WorkDirBusy, ConnectionError, NotImplementedStage) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    finally:
-        if started_ray:
-            import ray
-
-            ray.shutdown()
     return 0
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import tempfile
 import time
@@ -39,9 +38,11 @@ if str(REPO) not in sys.path:  # `python workflows/reproduce_table3.py` puts wor
 
 from pipeline import storage  # noqa: E402
 from pipeline.config import Config, ConfigError, load_config  # noqa: E402
+from pipeline.ray_env import ray_address  # noqa: E402
 from workflows import runner, sweep  # noqa: E402
-from workflows.lock import WorkDirBusy, WorkDirLock  # noqa: E402
+from workflows.lock import WorkDirBusy  # noqa: E402
 from workflows.preflight import preflight  # noqa: E402
+from workflows.session import DriverSession, driver_session  # noqa: E402
 from workflows.table3 import PAPER, expand_rows, render_table, write_figure  # noqa: E402
 
 log = logging.getLogger("reproduce_table3")
@@ -151,18 +152,18 @@ def print_plans(cfgs: dict[str, Config]) -> None:
               f"{runner.format_plan(runner.make_plan(cfg))}\n", flush=True)
 
 
-def run_sweep(recipe: Config, cfgs: dict[str, Config], max_concurrent: int, argv: list[str]) -> list[dict]:
-    """Under the work-dir lock: the data stages once, then the rows side by side; the results."""
-    from pipeline.tracking import Tracking
-
+def run_sweep(session: DriverSession, recipe: Config, cfgs: dict[str, Config], max_concurrent: int,
+              argv: list[str]) -> list[dict]:
+    """In the driver's session (the work-dir lock, Ray up): the data stages once, then the rows side
+    by side, under the sweep's MLflow run; the results."""
     first = next(iter(cfgs.values()))
-    local = not (first.run.ray_address or os.environ.get("RAY_ADDRESS"))  # this driver's own Ray
+    local = ray_address(first) == "local"  # this driver's own Ray
     n = max_concurrent or (1 if local else sweep.default_concurrency(list(cfgs.values())))
     rows = [sweep.Row(row, cfg, row_tags(row)) for row, cfg in cfgs.items()]
-    tracking = Tracking(recipe, tags={"workflow": "reproduce_table3"})
-    tracking.end_dead_runs()  # under the lock: RUNNING runs of this work dir are a dead driver's
-    with tracking.parent_run({"table3_rows": ",".join(cfgs), "max_concurrent_rows": str(n),
-                              "argv": " ".join(argv)}, run_name=f"table3: {','.join(cfgs)}") as parent:
+    with session.parent_run({"table3_rows": ",".join(cfgs), "max_concurrent_rows": str(n), "argv": " ".join(argv)},
+                            cfg=recipe, tracking_tags={"workflow": "reproduce_table3"},
+                            run_name=f"table3: {','.join(cfgs)}") as tracking:
+        parent = tracking.parent
         sweep.run_data_stages(rows, tracking)
         outcomes = sweep.run_rows(rows, n, parent.run_id)
         results = [row_result(row, cfgs[row], outcomes[row]) for row in cfgs]
@@ -173,8 +174,6 @@ def run_sweep(recipe: Config, cfgs: dict[str, Config], max_concurrent: int, argv
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.ray_env import ensure_ray
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = parse_args(argv)
@@ -188,19 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         print_plans(cfgs)
         return 0
-    started_ray = False
     try:
-        with WorkDirLock(first.run.work_dir):
-            started_ray = ensure_ray(first)
-            results = run_sweep(recipe, cfgs, args.max_concurrent_rows, argv)
+        with driver_session(first) as session:
+            results = run_sweep(session, recipe, cfgs, args.max_concurrent_rows, argv)
     except (ConfigError, WorkDirBusy, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    finally:
-        if started_ray:
-            import ray
-
-            ray.shutdown()
     failed = [f"{r['row']} (at {r['failed_stage']}: {r['error']})" for r in results if r["status"] != "done"]
     if failed:
         print(f"error: {len(failed)} row(s) failed: {'; '.join(failed)}; rerun the same command to continue "

@@ -1,4 +1,5 @@
-"""The checkpoint folder of the `train` stage (docs/stages.md), written and read by the loop.
+"""The checkpoint folder of the `train` stage (docs/stages.md), written and read by the loop
+(its `Checkpointer`).
 
     model.pt        the model's state_dict, tensors on CPU (`average` and `translate` read it);
                     tied tensors (the shared embedding) are stored once
@@ -16,14 +17,20 @@ crash leaves half-uploaded is never registered, so never restored nor listed in 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from pipeline.config import TrainConfig
+
+log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.pt"
 STATE_FILE = "train_state.pt"
@@ -115,10 +122,6 @@ def load(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Opt
     return Progress(**{k: v for k, v in state.items() if k in known})
 
 
-def read_meta(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / META_FILE).read_text())
-
-
 def report(session: Any, step: int, metrics: dict[str, Any], upload_async: bool,
            write: Callable[[str], None]) -> None:
     """Rank 0 writes the checkpoint of `step` (`write(folder)`) into a fresh local folder and
@@ -140,3 +143,44 @@ def report(session: Any, step: int, metrics: dict[str, Any], upload_async: bool,
         raise
     if not upload_async:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Checkpointer:
+    """One worker's checkpoints in the loop: the latest one restored (`restore`), a new one written
+    by rank 0 and reported by every rank (`write`), restarting the checkpoint clock of `cadence`.
+
+    `state` holds what a checkpoint keeps besides the progress: the model, optimizer, scheduler
+    and scaler (the keyword arguments of `save` and `load`)."""
+
+    def __init__(self, session: Any, rank: int, device: torch.device, tc: TrainConfig, state: dict[str, Any],
+                 cadence: Any, model_config: dict[str, Any], extra: dict[str, Any]):
+        self.session, self.rank, self.device, self.tc = session, rank, device, tc
+        self.state, self.cadence, self.model_config, self.extra = state, cadence, model_config, extra
+
+    def restore(self) -> Progress | None:
+        """The progress of the latest checkpoint, whose state is loaded in place; None: there is none."""
+        with self.session.latest_checkpoint() as path:
+            if path is None:
+                return None
+            p = load(path, **self.state, device=self.device)
+        if self.rank == 0:
+            log.info("resumed from checkpoint at step %d (epoch %d, step %d of that epoch)",
+                     p.step, p.epoch, p.step_in_epoch)
+        return p
+
+    def write(self, p: Progress, metrics: dict[str, Any], log_metrics: Callable[[dict[str, float]], None],
+             sync: bool = False) -> float:
+        """The checkpoint of `p.step` (reported with `metrics`); the seconds the loop waited (`sync`:
+        the upload included), logged through `log_metrics` on rank 0."""
+        t0 = time.perf_counter()
+        upload_async = self.tc.checkpoint_upload == "async" and not sync
+        report(self.session, p.step, {"step": p.step, "epoch": p.epoch, **metrics}, upload_async,
+               lambda folder: save(folder, **self.state, progress=p, model_config=self.model_config,
+                                   extra=self.extra))
+        self.cadence.checkpointed()
+        if self.rank == 0:
+            log_metrics({"train/checkpoint_stall_s": time.perf_counter() - t0})
+            log.info("step %d/%d | checkpoint %s (%s upload; the loop waited %.2f s)", p.step, self.tc.max_steps,
+                     checkpoint_dir_name(p.step), "background" if upload_async else "synchronous",
+                     time.perf_counter() - t0)
+        return time.perf_counter() - t0

@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
+
+from pipeline.config import ConfigError, TrainConfig
+from pipeline.train.cadence import Cadence
+from pipeline.train.checkpoint import Progress
 
 log = logging.getLogger(__name__)
 
@@ -114,3 +118,61 @@ def agree(stop: bool, device: torch.device, world: int) -> bool:
     flag = torch.tensor([int(stop)], device=device)
     dist.broadcast(flag, src=0)
     return bool(flag.item())
+
+
+class LoopStop:
+    """Early stopping in the training loop (`pipeline.train.loop.Trainer`): the `EarlyStop` count
+    over its metric's values, rebuilt at a resume (`resume`), and the decision at a step (`decide`):
+    rank 0's, agreed by all."""
+
+    def __init__(self, tc: TrainConfig, dev_bleu_dir: str, rank: int, world: int, device: torch.device):
+        self.tc, self.rank, self.world, self.device = tc, rank, world, device
+        self.early = EarlyStop(tc.early_stop_patience, tc.early_stop_metric)
+        self.dev_bleu = DevBleuRecords(dev_bleu_dir) if tc.early_stop_metric == "dev_bleu" else None
+        self._stop_pending = False  # the resumed count already said stop (decided at the next step)
+
+    @classmethod
+    def for_loop(cls, tc: TrainConfig, validates: bool, dev_bleu_dir: str, rank: int, world: int,
+                 device: torch.device) -> "LoopStop | None":
+        """None when early stopping is off; a ConfigError when its metric has no values."""
+        if not tc.early_stop_patience:
+            return None
+        if tc.early_stop_metric == "val_loss" and not validates:
+            raise ConfigError("train.early_stop_metric = 'val_loss' needs a dev split (the encode stage has none)")
+        if tc.early_stop_metric == "dev_bleu" and not dev_bleu_dir:
+            raise ConfigError("train.early_stop_metric = 'dev_bleu' needs dev BLEU per checkpoint "
+                              "(eval.dev_bleu and a dev split); or use 'val_loss'")
+        return cls(tc, dev_bleu_dir, rank, world, device)
+
+    def resume(self, p: Progress) -> None:
+        """After restoring the checkpoint `p`: continue the count from what was logged up to it."""
+        e = self.early
+        if self.rank != 0:
+            return
+        logged = val_loss_values(p.history_val) if e.metric == "val_loss" else self.dev_bleu.new_values(p.step)
+        self._stop_pending = e.replay(logged, p.step) and not p.early_stop
+        if e.best is not None:
+            log.info("early stopping: %d of %d validation(s) without improvement of %s at the resume "
+                     "(best %.4f at step %d)", e.num_bad, e.patience, e.metric, e.best, e.best_step)
+
+    def decide(self, p: Progress, cadence: Cadence, log_metrics: Callable[[dict[str, float]], None]) -> bool:
+        """Early stopping's decision at this step (rank 0's, agreed by all): on validation steps
+        for val_loss, on log steps for dev BLEU (its records arrive asynchronously). A stop is
+        recorded in `p.early_stop` and logged through `log_metrics`."""
+        e = self.early
+        if not (cadence.validates_at(p.step) if e.metric == "val_loss" else cadence.logs(p.step)):
+            return False
+        stop = False
+        if self.rank == 0:
+            values = val_loss_values(p.history_val[-1:]) if e.metric == "val_loss" else self.dev_bleu.new_values(p.step)
+            for step, value in values:
+                stop = e.observe(step, value) or stop
+            stop, self._stop_pending = stop or self._stop_pending, False
+        if not agree(stop, self.device, self.world):
+            return False
+        p.early_stop = e.record(p.step, self.tc.max_steps)
+        if self.rank == 0:
+            log.warning("early stop at step %d of %d: %s", p.step, self.tc.max_steps, e.describe())
+            log_metrics({"train/early_stop_step": float(p.step), "train/early_stop_best": float(e.best),
+                         "train/early_stop_best_step": float(e.best_step)})
+        return True

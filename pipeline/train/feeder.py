@@ -1,6 +1,7 @@
 """A step's host-side batches: this worker's share of the step, collated, pinned, built ahead.
 
-`HostBatcher` turns one step group (row ids of the global plan) into this worker's micro-batches
+`StepPlan` says which pairs training keeps and which step group comes next (the global plan,
+the same on every worker); `HostBatcher` turns one step group (row ids of the global plan) into this worker's micro-batches
 and the step's token counts; `Feeder` builds the next step's batches in a background thread
 while the current step runs. Both are O(batch) and touch no device.
 """
@@ -19,6 +20,36 @@ from pipeline.train.corpus import Corpus
 from pipeline.train.step import MicroBatch, pin
 
 HostBatches = tuple[list[MicroBatch], int, int]  # micro-batches, step target tokens, step source tokens
+
+
+class StepPlan:
+    """The pairs training keeps (at most `max_len` pieces a side) and each epoch's step groups
+    (`batching.plan_epoch`: they depend on the data, `tokens_per_step`, the seed and the epoch)."""
+
+    def __init__(self, data: Corpus, max_len: int, tokens_per_step: int, seed: int):
+        self.data, self.tokens_per_step, self.seed = data, tokens_per_step, seed
+        keep = batching.keep_mask(data.src_len, data.tgt_len, max_len)
+        self.rows = np.flatnonzero(keep).astype(np.int32 if len(keep) < 2**31 else np.int64)
+        self.num_dropped = int(len(keep) - len(self.rows))
+        self._epoch, self._groups = -1, []
+
+    def groups(self, epoch: int) -> list[np.ndarray]:
+        """The step groups of `epoch`, in training order (the last epoch's are kept)."""
+        if epoch != self._epoch:
+            d = self.data
+            self._groups = batching.plan_epoch(self.rows, d.src_len, d.tgt_len, self.tokens_per_step, self.seed, epoch)
+            self._epoch = epoch
+        return self._groups
+
+    def at(self, epoch: int, index: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The step group `index` of `epoch` and the next one (None: past the epoch's end)."""
+        groups = self.groups(epoch)
+        return (groups[index] if index < len(groups) else None,
+                groups[index + 1] if index + 1 < len(groups) else None)
+
+    def accum(self, group: np.ndarray, world: int, max_tokens_per_batch: int) -> int:
+        """The micro-batches per worker of `group` on `world` workers (`batching.split_step`)."""
+        return batching.split_step(group, self.data.src_len, self.data.tgt_len, world, max_tokens_per_batch).accum
 
 
 class HostBatcher:

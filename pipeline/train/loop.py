@@ -8,14 +8,16 @@ One optimizer step = one step group of ~`train.tokens_per_step` target tokens
 the same global plan and takes its share. The `Trainer` is the loop; each of its parts is a unit
 of its own:
 
-    pipeline.train.feeder     this worker's host batches of a step, built one step ahead
+    pipeline.train.feeder     the step groups of each epoch (StepPlan); this worker's host batches
+                              of a step, built one step ahead
     pipeline.train.step       one step on the device: accumulation, loss normalization, Adam
     pipeline.train.metrics    the window since the last log line, the progress line, MLflow
     pipeline.train.validate   dev loss and perplexity
     pipeline.train.cadence    which steps log, validate, checkpoint
-    pipeline.train.early_stop when the dev metric has stopped improving (train.early_stop_patience)
+    pipeline.train.early_stop when the dev metric has stopped improving (train.early_stop_patience;
+                              LoopStop: the loop's decision, rebuilt at a resume)
     pipeline.train.compiled   torch.compile with a count of its (re)compilations (train.compile)
-    pipeline.train.checkpoint the checkpoint folder, written and reported
+    pipeline.train.checkpoint the checkpoint folder, restored, written and reported (Checkpointer)
     pipeline.train.session    Ray Train or the test process (and wrappers around them)
 
 Per-step dropout seeds make a resumed run replay the steps it lost exactly.
@@ -29,20 +31,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
-from pipeline.config import ConfigError, from_dict as config_from_dict
-from pipeline.train import batching
-from pipeline.train import checkpoint as train_checkpoint
+from pipeline.config import from_dict as config_from_dict
 from pipeline.train import elastic, preemption
 from pipeline.train.cadence import Cadence
-from pipeline.train.checkpoint import Progress
+from pipeline.train.checkpoint import Checkpointer, Progress
 from pipeline.train.compiled import compile_model
 from pipeline.train.corpus import load_corpus, load_shared_corpus
-from pipeline.train.early_stop import DevBleuRecords, EarlyStop, agree, val_loss_values
-from pipeline.train.feeder import Feeder, HostBatcher, HostBatches
+from pipeline.train.early_stop import LoopStop
+from pipeline.train.feeder import Feeder, HostBatcher, HostBatches, StepPlan
 from pipeline.train.metrics import TrainLog, Window
 from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
 from pipeline.train.precision import resolve_precision, row_multiple
@@ -82,9 +81,7 @@ class Trainer:
         self.device, self.rank, self.world = session.device, session.rank, session.world_size
         self._setup_device(spec.num_threads)
         self.train_data = load_shared_corpus(spec.train_dir, self.tc.corpus_cache_dir or None)
-        keep = batching.keep_mask(self.train_data.src_len, self.train_data.tgt_len, self.tc.max_len)
-        self.rows = np.flatnonzero(keep).astype(np.int32 if len(keep) < 2**31 else np.int64)
-        self.num_dropped = int(len(keep) - len(self.rows))
+        self.plan = StepPlan(self.train_data, self.tc.max_len, self.tc.tokens_per_step, self.tc.seed)
         self.validate = (Validator(load_corpus(spec.dev_dir), self.mcfg, self.tc.max_tokens_per_batch,
                                    self.tc.label_smoothing, self.autocast, self.rank, self.world, self.device)
                          if spec.dev_dir else None)
@@ -101,7 +98,12 @@ class Trainer:
             self.forward_model, self.compiler = compile_model(self.model, self.tc.compile_backend)
         self.progress = Progress()
         self.cadence = Cadence(self.tc, self.world, self.device, validates=self.validate is not None)
-        self.early, self._stop_pending = self._early_stop(spec), False
+        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
+        extra = {"seed": self.tc.seed, "world_size": self.world, "num_dropped": self.plan.num_dropped}
+        self.checkpoints = Checkpointer(session, self.rank, self.device, self.tc, state, self.cadence,
+                                        spec.model_config, extra)
+        self.early_stop = LoopStop.for_loop(self.tc, self.validate is not None, spec.dev_bleu_dir, self.rank,
+                                            self.world, self.device)
         self.start_step = 0  # the step this attempt resumed from
         self.metrics = TrainLog(self.progress, self.tc.max_steps, self.rank, self.world, self.device,
                                 spec.tracking_uri, spec.run_id, self.cfg.tracking.buffer_s,
@@ -119,35 +121,13 @@ class Trainer:
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None
                          else contextlib.nullcontext)
 
-    def _early_stop(self, spec: LoopSpec) -> EarlyStop | None:
-        tc = self.tc
-        if not tc.early_stop_patience:
-            return None
-        if tc.early_stop_metric == "val_loss" and self.validate is None:
-            raise ConfigError("train.early_stop_metric = 'val_loss' needs a dev split (the encode stage has none)")
-        if tc.early_stop_metric == "dev_bleu" and not spec.dev_bleu_dir:
-            raise ConfigError("train.early_stop_metric = 'dev_bleu' needs dev BLEU per checkpoint "
-                              "(eval.dev_bleu and a dev split); or use 'val_loss'")
-        self.dev_bleu = DevBleuRecords(spec.dev_bleu_dir) if tc.early_stop_metric == "dev_bleu" else None
-        return EarlyStop(tc.early_stop_patience, tc.early_stop_metric)
-
     def restore(self) -> None:
-        with self.session.latest_checkpoint() as path:
-            if path is None:
-                return
-            self.progress = train_checkpoint.load(path, model=self.model, optimizer=self.optimizer,
-                                                  scheduler=self.scheduler, scaler=self.scaler, device=self.device)
-        self.metrics.progress = self.progress
-        if self.rank == 0:
-            log.info("resumed from checkpoint at step %d (epoch %d, step %d of that epoch)",
-                     self.progress.step, self.progress.epoch, self.progress.step_in_epoch)
-        e, p = self.early, self.progress
-        if e is not None and self.rank == 0:  # continue the count from what was logged up to here
-            logged = val_loss_values(p.history_val) if e.metric == "val_loss" else self.dev_bleu.new_values(p.step)
-            self._stop_pending = e.replay(logged, p.step) and not p.early_stop
-            if e.best is not None:
-                log.info("early stopping: %d of %d validation(s) without improvement of %s at the resume "
-                         "(best %.4f at step %d)", e.num_bad, e.patience, e.metric, e.best, e.best_step)
+        progress = self.checkpoints.restore()
+        if progress is None:
+            return
+        self.progress = self.metrics.progress = progress
+        if self.early_stop is not None:  # continue the count from what was logged up to here
+            self.early_stop.resume(self.progress)
 
     def run(self) -> dict[str, Any]:
         self.restore()
@@ -155,12 +135,12 @@ class Trainer:
         self.cadence.checkpointed()  # the checkpoint clock starts with the loop
         model = distributed(self.forward_model, self.device, self.world, self.tc.grad_compression)
         p, tc = self.progress, self.tc
-        plan = self._plan(p.epoch)
-        self._log_start(plan)
+        self._log_start()
         if self.rank == 0:
             log.info("training from step %d to %d on %d worker(s), %s; %d pairs kept, %d dropped "
                      "(> train.max_len=%d pieces); %d steps in epoch %d", p.step, tc.max_steps, self.world,
-                     self.precision, len(self.rows), self.num_dropped, tc.max_len, len(plan), p.epoch)
+                     self.precision, len(self.plan.rows), self.plan.num_dropped, tc.max_len,
+                     len(self.plan.groups(p.epoch)), p.epoch)
         window, t_attempt, time_base = Window(), time.perf_counter(), p.train_time_s
         feeder = Feeder(HostBatcher(self.train_data, self.mcfg, self.rank, self.world, tc.max_tokens_per_batch,
                                     self.device, row_multiple(self.precision, self.device)), prefetch=tc.prefetch)
@@ -168,13 +148,11 @@ class Trainer:
         try:
             while p.step < tc.max_steps and not p.early_stop:
                 t_step = time.perf_counter()
-                if p.step_in_epoch >= len(plan):
+                group, nxt = self.plan.at(p.epoch, p.step_in_epoch)
+                if group is None:  # the epoch is over
                     p.epoch, p.step_in_epoch = p.epoch + 1, 0
-                    plan = self._plan(p.epoch)
                     continue
                 self.session.before_step(p.step + 1)
-                group = plan[p.step_in_epoch]
-                nxt = plan[p.step_in_epoch + 1] if p.step_in_epoch + 1 < len(plan) else None
                 self._train_step(model, feeder.take(group), window, lambda: feeder.ahead(nxt))
                 p.step, p.step_in_epoch = p.step + 1, p.step_in_epoch + 1
                 p.train_time_s = time_base + time.perf_counter() - t_attempt
@@ -185,7 +163,8 @@ class Trainer:
                         self.metrics.log({"train/compiled_graphs": float(self.compiler.num_graphs)})
                 if self.cadence.validates_at(p.step):
                     self._validate(model)
-                stop = self._should_stop()  # then the checkpoint of this step records it
+                # then the checkpoint of this step records it
+                stop = self.early_stop is not None and self.early_stop.decide(p, self.cadence, self.metrics.log)
                 if notice is not None:  # before the interval checkpoint: this one is synchronous
                     preemption.stop_if_noticed(notice, time.perf_counter() - t_step, p.step,
                                                lambda: self._checkpoint(sync=True), self.session)
@@ -200,19 +179,14 @@ class Trainer:
             self.metrics.close()
         return self.summary()
 
-    def _log_start(self, plan: list[np.ndarray]) -> None:
+    def _log_start(self) -> None:
         """World size and accumulation at the resume step (elastic runs change them)."""
         p = self.progress
         previous_world, p.world_size = p.world_size or None, self.world
-        if p.step_in_epoch < len(plan):
-            d = self.train_data
-            accum = batching.split_step(plan[p.step_in_epoch], d.src_len, d.tgt_len, self.world,
-                                        self.tc.max_tokens_per_batch).accum
+        group, _ = self.plan.at(p.epoch, p.step_in_epoch)
+        if group is not None:
+            accum = self.plan.accum(group, self.world, self.tc.max_tokens_per_batch)
             elastic.log_start(self.metrics.tracker, self.rank, p.step, self.world, accum, previous_world)
-
-    def _plan(self, epoch: int) -> list[np.ndarray]:
-        d = self.train_data
-        return batching.plan_epoch(self.rows, d.src_len, d.tgt_len, self.tc.tokens_per_step, self.tc.seed, epoch)
 
     def _train_step(self, model: torch.nn.Module, host: HostBatches, window: Window,
                     start_prefetch: Any = None) -> None:
@@ -234,28 +208,6 @@ class Trainer:
         p.tokens_src += step_src
         p.tokens_tgt += step_tgt
 
-    def _should_stop(self) -> bool:
-        """Early stopping's decision at this step (rank 0's, agreed by all): on validation steps
-        for val_loss, on log steps for dev BLEU (its records arrive asynchronously)."""
-        e, p = self.early, self.progress
-        if e is None or not (self.cadence.validates_at(p.step) if e.metric == "val_loss"
-                             else self.cadence.logs(p.step)):
-            return False
-        stop = False
-        if self.rank == 0:
-            values = val_loss_values(p.history_val[-1:]) if e.metric == "val_loss" else self.dev_bleu.new_values(p.step)
-            for step, value in values:
-                stop = e.observe(step, value) or stop
-            stop, self._stop_pending = stop or self._stop_pending, False
-        if not agree(stop, self.device, self.world):
-            return False
-        p.early_stop = e.record(p.step, self.tc.max_steps)
-        if self.rank == 0:
-            log.warning("early stop at step %d of %d: %s", p.step, self.tc.max_steps, e.describe())
-            self.metrics.log({"train/early_stop_step": float(p.step), "train/early_stop_best": float(e.best),
-                              "train/early_stop_best_step": float(e.best_step)})
-        return True
-
     def _validate(self, model: torch.nn.Module) -> None:
         m = self.validate(model)
         if m is None:
@@ -267,28 +219,14 @@ class Trainer:
 
     def _checkpoint(self, sync: bool = False) -> float:
         """The seconds the loop waited (`sync`: the upload included)."""
-        p, t0 = self.progress, time.perf_counter()
-        upload_async = self.tc.checkpoint_upload == "async" and not sync
-        extra = {"seed": self.tc.seed, "world_size": self.world, "num_dropped": self.num_dropped}
-        train_checkpoint.report(
-            self.session, p.step, {"step": p.step, "epoch": p.epoch, **self.metrics.last}, upload_async,
-            lambda folder: train_checkpoint.save(folder, model=self.model, optimizer=self.optimizer,
-                                                 scheduler=self.scheduler, scaler=self.scaler, progress=p,
-                                                 model_config=self.spec.model_config, extra=extra))
-        self.cadence.checkpointed()
-        if self.rank == 0:
-            self.metrics.log({"train/checkpoint_stall_s": time.perf_counter() - t0})
-            log.info("step %d/%d | checkpoint %s (%s upload; the loop waited %.2f s)", p.step, self.tc.max_steps,
-                     train_checkpoint.checkpoint_dir_name(p.step), "background" if upload_async else "synchronous",
-                     time.perf_counter() - t0)
-        return time.perf_counter() - t0
+        return self.checkpoints.write(self.progress, self.metrics.last, self.metrics.log, sync)
 
     def summary(self) -> dict[str, Any]:
         p = self.progress
         return {"final_step": p.step, "start_step": self.start_step, "epoch": p.epoch,
                 "tokens_seen": {"src": p.tokens_src, "tgt": p.tokens_tgt},
-                "train_time_s": p.train_time_s, "num_dropped_too_long": self.num_dropped,
-                "num_pairs": len(self.rows), "precision": self.precision, "world_size": self.world,
+                "train_time_s": p.train_time_s, "num_dropped_too_long": self.plan.num_dropped,
+                "num_pairs": len(self.plan.rows), "precision": self.precision, "world_size": self.world,
                 "history_train": p.history_train, "history_val": p.history_val, "last_metrics": self.metrics.last,
                 "early_stop": p.early_stop or None,
                 "compiled_graphs": self.compiler.num_graphs if self.compiler is not None else None}

@@ -24,11 +24,11 @@ import pytest
 import torch
 
 from pipeline import storage
-from pipeline.train.synthetic import write_reverse_task
 from tests.support.faults import gate_env, set_gate
 from tests.support.flaky_proxy import FlakyProxy
 from tests.support.procs import wait_for
 from tests.support.s3 import s3, s3_module  # noqa: F401 (fixtures)
+from tests.support.synthetic import write_reverse_task
 
 # The bound on each test (pytest-timeout): a driver run of ~1-2 min, waited up to 300 s.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

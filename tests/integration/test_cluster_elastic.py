@@ -32,10 +32,10 @@ import pytest
 from pipeline.config import load_config
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
 from pipeline.train.size import model_config_for
-from pipeline.train.synthetic import write_reverse_task
 from tests.support.faults import gate_env, set_gate
 from tests.support.mlflow_server import MlflowServer
 from tests.support.procs import RayHead, stop, wait_for
+from tests.support.synthetic import write_reverse_task
 
 # The bound on each test (pytest-timeout): a two-node cluster, a lost node, a grow-back: ~3 min, drivers waited up to 360 s each.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]

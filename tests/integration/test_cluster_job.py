@@ -22,7 +22,7 @@ from pipeline import storage
 from tests.support.mlflow_server import mlflow_uri  # noqa: F401 (fixture)
 from tests.support.procs import BIN, RayHead, stop
 from tests.support.s3 import s3_module, use_env  # noqa: F401 (fixture)
-from workflows import reproduce_base
+from workflows import reproduce_base, session
 
 REPO = reproduce_base.REPO
 EXPERIMENT = "transformer-wmt14-ende"  # TrackingConfig.experiment's default
@@ -65,7 +65,7 @@ def test_runner_tracks_to_the_mlflow_server(cluster_env, s3_module, mlflow_uri, 
         return body
 
     monkeypatch.setattr(Stage, "load", fake_load)
-    monkeypatch.setattr(reproduce_base, "ensure_ray", lambda cfg: False)
+    monkeypatch.setattr(session, "ensure_ray", lambda cfg: False)
     work_dir = s3_module.uri("tracked")
     assert reproduce_base.main([f"--run.work_dir={work_dir}", "--run.name=fake-stages"]) == 0
 

@@ -20,7 +20,7 @@ from pipeline.dag import ORDER
 from pipeline.stage import MANIFEST, Stage, StageResult
 from tests.support.procs import free_port
 from tests.support.s3 import s3, s3_module  # noqa: F401 (fixtures)
-from workflows import reproduce_base
+from workflows import reproduce_base, session
 
 REPO = reproduce_base.REPO
 
@@ -71,7 +71,7 @@ def fake_stages(monkeypatch):
         return body
 
     monkeypatch.setattr(Stage, "load", fake_load)
-    monkeypatch.setattr(reproduce_base, "ensure_ray", lambda cfg: False)  # the fake stages need no Ray
+    monkeypatch.setattr(session, "ensure_ray", lambda cfg: False)  # the fake stages need no Ray
     return ran
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from pipeline import storage
-from pipeline.train.synthetic import write_reverse_task
 from tests.support.procs import RayHead, stop
 from tests.support.s3 import s3, s3_module  # noqa: F401 (fixtures)
+from tests.support.synthetic import write_reverse_task
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS, INTERVAL = 50, 10

@@ -21,8 +21,8 @@ import torch
 from model import ModelConfig
 from pipeline.config import Config
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
-from pipeline.train.synthetic import write_reverse_task
 from tests.support.mlflow_server import MlflowServer
+from tests.support.synthetic import write_reverse_task
 
 # The bound on each test (pytest-timeout): an outage of 12 s, a trainer joined within 120 s, the tracking buffer's close.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

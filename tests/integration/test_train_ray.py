@@ -21,8 +21,8 @@ from pipeline.train import checkpoint as train_checkpoint
 from pipeline.config import Config
 from pipeline.train.precision import cpu_bf16_features
 from pipeline.stage import Manifest, StageContext
-from pipeline.train.synthetic import write_reverse_task
 from tests.support import faults
+from tests.support.synthetic import write_reverse_task
 
 # The bound on each test (pytest-timeout): Ray Train runs; the module's baseline run is trained by its first test.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -1,4 +1,5 @@
-"""The buffered metrics path (pipeline/tracking.py) against a tracking server that goes away.
+"""The buffered metrics path (pipeline/tracking/buffered.py, spool.py) against a tracking server that
+goes away.
 
 `BufferedRunLogger` drops points past its limits (`tracking/dropped_points` counts them), and
 what it still holds when it closes is spooled durably and delivered later, in order and once:
@@ -19,7 +20,7 @@ import pytest
 
 from pipeline import tracking
 from pipeline.config import Config
-from pipeline.tracking import BufferedRunLogger, MetricSpool, Tracking, deliver_spool, spool_dir_for
+from pipeline.tracking import BufferedRunLogger, MetricSpool, Tracking, buffered, deliver_spool, spool_dir_for
 from tests.support.fake_mlflow import FakeMlflow
 
 TAG = "tracking/dropped_points"
@@ -66,7 +67,7 @@ def test_points_older_than_buffer_s_are_dropped_and_the_count_adds_to_the_runs_t
     clock = {"now": 1000.0}
     fake_time = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
     fake_time.time = lambda: clock["now"]
-    monkeypatch.setattr(tracking, "time", fake_time)
+    monkeypatch.setattr(buffered, "time", fake_time)  # the module that stamps and ages the points
     run_id = store.create_run()
     store.runs[run_id]["tags"][TAG] = "5"  # an earlier worker of this run dropped 5
     store.up = False

@@ -19,7 +19,7 @@ from pipeline.train import bill
 from pipeline.train.flops import MicroShape, count_step_flops, six_n_t
 from pipeline.train.corpus import load_lengths
 from pipeline.train.stage import _log_bill
-from pipeline.train.synthetic import write_reverse_task
+from tests.support.synthetic import write_reverse_task
 from workflows.runner import format_bill, make_plan
 
 TINY = ModelConfig(vocab_size=50, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=2, n_decoder_layers=1, dropout=0.1)

@@ -26,7 +26,7 @@ from model import ModelConfig
 from pipeline.config import Config
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
 from pipeline.train.precision import cpu_bf16_features
-from pipeline.train.synthetic import write_reverse_task
+from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import one_thread  # noqa: F401 (fixture)
 
 VOCAB = 96

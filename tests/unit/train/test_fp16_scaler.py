@@ -18,7 +18,7 @@ from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.corpus import load_corpus
 from pipeline.train.checkpoint import Progress
 from pipeline.train.step import accumulate_gradients, optimizer_step, to_device
-from pipeline.train.synthetic import write_reverse_task
+from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import VOCAB, one_thread  # noqa: F401 (fixture)
 
 MC = ModelConfig(vocab_size=VOCAB, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,

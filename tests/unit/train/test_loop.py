@@ -13,8 +13,8 @@ from pipeline.train import checkpoint as train_checkpoint
 from pipeline.config import Config
 from pipeline.train.loop import LocalSession, LoopSpec, train_worker
 from pipeline.train.session import SESSION_WRAPPER_ENV
-from pipeline.train.synthetic import write_reverse_task
 from tests.support import faults
+from tests.support.synthetic import write_reverse_task
 
 VOCAB = 64
 

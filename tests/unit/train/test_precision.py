@@ -13,7 +13,7 @@ from pipeline.config import Config, ConfigError
 from pipeline.train import batching, precision
 from pipeline.train.loop import LocalSession, train_worker
 from pipeline.train.precision import describe, resolve_precision
-from pipeline.train.synthetic import write_reverse_task
+from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import VOCAB, one_thread, tiny_spec  # noqa: F401 (fixture)
 
 CPU = torch.device("cpu")

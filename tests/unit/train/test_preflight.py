@@ -10,7 +10,7 @@ from pipeline.train import stage as train
 from pipeline.config import Config
 from pipeline.stage import Manifest, StageContext
 from pipeline.train.corpus import id_range
-from pipeline.train.synthetic import write_reverse_task
+from tests.support.synthetic import write_reverse_task
 
 VOCAB = 64
 

@@ -17,7 +17,7 @@ from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.corpus import load_corpus, load_shared_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer, train_worker
 from pipeline.train.step import accumulate_gradients, to_device
-from pipeline.train.synthetic import write_reverse_task
+from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import VOCAB, tiny_spec
 
 PAD, BOS, EOS = 0, 2, 3

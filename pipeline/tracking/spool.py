@@ -1,0 +1,107 @@
+"""The durable metric spool: points a `BufferedRunLogger` could not deliver before it closed wait
+beside the checkpoints (`MetricSpool`) until a later logger of the run or the driver
+(`deliver_spool`) delivers them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+
+from pipeline import storage
+from pipeline.config import Config
+from pipeline.tracking.client import short_error
+from pipeline.tracking.loggers import RunLogger
+
+log = logging.getLogger("pipeline.tracking")  # one logger for the package, as before the split
+
+SPOOL_FOLDER = "tracking_spool"
+Point = tuple[float, "int | None", dict[str, float]]  # (time, step, metrics), as logged
+
+
+def spool_dir_for(cfg: Config) -> str:
+    """Where undelivered metric points wait: beside the runs' checkpoints (Ray Train's storage
+    path, as `pipeline.train.resume.storage_path_for` names it), which every node reads and which
+    outlives the worker that logged them."""
+    ckpts = storage.absolute(cfg.run.storage_path or storage.join(cfg.run.work_dir, "ray_train"))
+    return storage.join(ckpts, SPOOL_FOLDER)
+
+
+class MetricSpool:
+    """The metric points of one run that a `BufferedRunLogger` could not deliver before it closed.
+
+    JSONL files ``<root>/<run_id>/<time_ns>-<pid>-<random>.jsonl``, each written whole (temp file +
+    rename locally, one PUT on an object store), their names in writing order. A file's first line
+    is a header ({"run_id", "tracking_uri", "dropped"}: points dropped and not yet counted in the
+    run's tag), then one point per line ({"time", "step", "metrics"}) in logging order. A later file
+    may repeat an earlier one's points (a logger that loaded them and closed again writes them
+    before it removes the old files): delivery sends each (key, step) at most once, so a repeat, or
+    a delivery run twice, adds no point."""
+
+    def __init__(self, root: str, run_id: str):
+        self.root, self.run_id = root, run_id
+        self.dir = storage.join(root, run_id)
+
+    def files(self) -> list[str]:
+        return [storage.join(self.dir, name) for name, _ in storage.list_files(self.dir)
+                if name.endswith(".jsonl") and "/" not in name and not name.startswith(".")]
+
+    def write(self, points: list[Point], dropped: int, tracking_uri: str | None) -> str:
+        name = f"{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+        lines = [json.dumps({"run_id": self.run_id, "tracking_uri": tracking_uri, "dropped": int(dropped)})]
+        lines += [json.dumps({"time": t, "step": step, "metrics": m}) for t, step, m in points]
+        uri = storage.join(self.dir, name)
+        storage.write_text(uri, "\n".join(lines) + "\n")
+        return uri
+
+    def read(self) -> tuple[list[str], list[Point], int]:
+        """The files, their points (oldest file first) and their dropped counts summed."""
+        files, points, dropped = self.files(), [], 0
+        for uri in files:
+            lines = [line for line in storage.read_text(uri).splitlines() if line.strip()]
+            dropped += int(json.loads(lines[0]).get("dropped", 0))
+            for line in lines[1:]:
+                p = json.loads(line)
+                points.append((float(p["time"]), p["step"], p["metrics"]))
+        return files, points, dropped
+
+    @staticmethod
+    def remove(files: list[str]) -> None:
+        for uri in files:
+            storage.rmtree(uri)
+
+
+def spooled_run_ids(root: str) -> list[str]:
+    """The runs with spooled points under `root`."""
+    return sorted({name.split("/", 1)[0] for name, _ in storage.list_files(root)
+                   if name.endswith(".jsonl") and name.count("/") == 1})
+
+
+def deliver_spool(root: str, tracking_uri: str | None, run_id: str | None, timeout_s: float = 300.0) -> int:
+    """Deliver the run's spooled points to its MLflow run, in logging order, each (key, step) at
+    most once, and remove the files; the number of points that were pending (0: none). A server
+    still away leaves them where they are, for the next invocation (a warning says so)."""
+    if not run_id or not root:
+        return 0
+    spool = MetricSpool(root, run_id)
+    try:
+        files, points, dropped = spool.read()
+    except Exception as e:  # noqa: BLE001 (the spool's storage is away: the next invocation tries again)
+        log.warning("tracking: could not read the metric spool %s (%s)", spool.dir, short_error(e))
+        return 0
+    if not files:
+        return 0
+    logger = RunLogger(tracking_uri, run_id, timeout_s)
+    try:
+        logger._send_all(logger.client, points)
+        logger._add_dropped(logger.client, dropped)
+    except Exception as e:  # noqa: BLE001 (any store error: the files stay for the next try)
+        log.warning("tracking: %d metric point(s) of run %s are still spooled in %s (MLflow did not take "
+                    "them: %s); the next invocation delivers them", len(points), run_id, spool.dir, short_error(e))
+        return len(points)
+    spool.remove(files)
+    log.info("tracking: delivered %d metric point(s) of run %s that were pending in %s", len(points), run_id,
+             spool.dir)
+    return len(points)
