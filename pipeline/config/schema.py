@@ -359,7 +359,10 @@ class Config:
                            "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, ...)")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Section -> key -> value. An unset (None) value is left out, as in a config file (TOML
+        has no None): the dict reads back (`from_dict`) and prints as TOML (MLflow's resolved.toml)."""
+        return {name: {k: v for k, v in values.items() if v is not None}
+                for name, values in dataclasses.asdict(self).items()}
 
     def section_for_cache(self, name: str) -> dict[str, Any]:
         """The values of one section that change a stage's output (``cache=False`` fields left out).

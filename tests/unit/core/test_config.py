@@ -155,6 +155,7 @@ def test_model_section_is_model_sizes_and_none_is_keyed_as_zero():
     assert (cfg.model.d_k, cfg.model.d_v) == (16, None)
     assert cfg.section_for_cache("model")["d_v"] == 0  # "unset" as keyed before d_k/d_v took None
     assert load_config(None, ["--model.d_k=16", "--model.d_k=none"]).model.d_k is None
+    assert "d_v" not in cfg.to_dict()["model"] and from_dict(cfg.to_dict()) == cfg  # TOML has no None
     with pytest.raises(ConfigError, match=r"model\.d_k must be positive, got 0"):
         load_config(None, ["--model.d_k=0"])
     mc = model_config_for(cfg, {"vocab_size": 100, "pad_id": 1, "bos_id": 5, "eos_id": 7})
