@@ -28,12 +28,15 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from pipeline.config import Backend  # noqa: E402
 
 log = logging.getLogger("serve_bench")
 
@@ -118,7 +121,7 @@ def main() -> None:
     p.add_argument("--data", default=os.environ.get("WMT14_DATA") or str(REPO.parent / "shared" / "data" / "wmt14"))
     p.add_argument("--config", default="", help="serve this pipeline config's model (else a tiny one)")
     p.add_argument("--bad-fraction", type=float, default=0.2, help="share of requests that are client mistakes")
-    p.add_argument("--backend", default="torch", choices=("torch", "ctranslate2"))
+    p.add_argument("--backend", default="torch", choices=typing.get_args(Backend))
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--duration-s", type=float, default=30.0)
     p.add_argument("--request-timeout-s", type=float, default=60.0)

@@ -269,6 +269,28 @@ class DecoderState:
     # decode_step accepts one row per sentence at step 0 (see Transformer.decode_step)
     first_step_per_sentence: ClassVar[bool] = True
 
+    @classmethod
+    def start(cls, model: "Transformer", memory: torch.Tensor, src_pad_mask: torch.Tensor, beam_size: int,
+              max_len: int | None) -> "DecoderState":
+        """`Transformer.init_decoder_state`: the caches of `model`'s decoder layers for memory
+        (B, S, d), `beam_size` rows per sentence, up to `max_len` fed tokens."""
+        cfg, layers = model.cfg, model.decoder_layers
+        max_len = cfg.max_positions if max_len is None else max_len
+        if not 0 < max_len <= cfg.max_positions:
+            raise ValueError(f"max_len={max_len} must be in [1, max_positions={cfg.max_positions}]")
+        B, S, d = memory.shape
+        h, heads = cfg.n_heads, layers[0].self_attn.heads
+        packing = Packing(~src_pad_mask)  # K/V only at real source positions (0 at padding, masked)
+        memory = packing.pack(memory)  # (Ms, d)
+        cross_kv = torch.stack([layer.cross_attn.project_kv(memory, packing) for layer in layers])
+        self_kv = cross_kv.new_empty(len(layers), 2, B * beam_size, h, max_len, heads.hs)
+        output_weight_t = model.output_proj.weight.t().contiguous()
+        layer_weights_t = None
+        if not model.training and heads.uniform:  # the fast step assumes d_k = d_v
+            layer_weights_t = [_step_params(layer) for layer in layers]
+        return cls(self_kv, cross_kv, key_padding_to_attn_mask(src_pad_mask), output_weight_t, beam_size,
+                   layer_weights_t=layer_weights_t)
+
     def reorder(self, indices: torch.Tensor) -> None:
         """Row r takes the history of row indices[r] (beam search). indices (N,) long must keep
         every row within its own sentence, i.e. indices[r] // beam_size == r // beam_size.
@@ -428,21 +450,7 @@ class Transformer(nn.Module):
                            max_len: int | None = None) -> DecoderState:
         """State for decoding B sentences with `beam_size` rows each, for up to `max_len` fed tokens
         (bos included; default and maximum `cfg.max_positions`)."""
-        max_len = self.cfg.max_positions if max_len is None else max_len
-        if not 0 < max_len <= self.cfg.max_positions:
-            raise ValueError(f"max_len={max_len} must be in [1, max_positions={self.cfg.max_positions}]")
-        B, S, d = memory.shape
-        h, heads = self.cfg.n_heads, self.decoder_layers[0].self_attn.heads
-        packing = Packing(~src_pad_mask)  # K/V only at real source positions (0 at padding, masked)
-        memory = packing.pack(memory)  # (Ms, d)
-        cross_kv = torch.stack([layer.cross_attn.project_kv(memory, packing) for layer in self.decoder_layers])
-        self_kv = cross_kv.new_empty(len(self.decoder_layers), 2, B * beam_size, h, max_len, heads.hs)
-        output_weight_t = self.output_proj.weight.t().contiguous()
-        layer_weights_t = None
-        if not self.training and heads.uniform:  # the fast step assumes d_k = d_v
-            layer_weights_t = [_step_params(layer) for layer in self.decoder_layers]
-        return DecoderState(self_kv, cross_kv, key_padding_to_attn_mask(src_pad_mask), output_weight_t, beam_size,
-                            layer_weights_t=layer_weights_t)
+        return DecoderState.start(self, memory, src_pad_mask, beam_size, max_len)
 
     def decode_step(self, prev_ids: torch.Tensor, state: DecoderState) -> torch.Tensor:
         """Feed one token per row at position `state.step`: prev_ids (N,) -> logits (N, V).

@@ -17,10 +17,13 @@ Pure: no Ray. The test split is changed here too (a benchmark defines its refere
 from __future__ import annotations
 
 import functools
+import typing
 
 import pyarrow as pa
 
-KINDS = ("none", "lowercase_moses")
+from pipeline.config import Preprocess
+
+KINDS = typing.get_args(Preprocess)
 
 
 @functools.lru_cache(maxsize=8)

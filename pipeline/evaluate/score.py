@@ -18,6 +18,7 @@ import json
 import logging
 from typing import Any
 
+from model import size_name
 from pipeline import storage
 from pipeline.config import Config
 from pipeline.evaluate import bleu, dev_bleu
@@ -27,9 +28,6 @@ from pipeline.evaluate.translate import read_split
 log = logging.getLogger(__name__)
 
 
-# Table 2's model rows, by the sizes that define them (Table 3: base; big, §6.1), and the
-# published Multi30k anchor's fairseq transformer_tiny (Wu et al., ACL 2021; arXiv 2105.14462).
-_SIZES = {"base": (512, 2048, 8, 6, 6), "big": (1024, 4096, 16, 6, 6), "tiny": (128, 256, 4, 4, 4)}
 _PAPER_COMPUTE = {"base": "12 h on 8 P100 = 96 GPU-hours", "big": "3.5 days on 8 P100 = 672 GPU-hours"}  # §5.2
 # Published rows on data other than WMT14, by (source, pair, preprocess): (label, size, test set, BLEU).
 # Multi30k: LividWo/Revisit-MMT README-baseline.md + evaluate.sh (fairseq generate.py, beam 5, the last
@@ -72,8 +70,7 @@ def setup_of(cfg: Config) -> dict[str, Any]:
     (Table 2 for WMT14; the anchor for a benchmark such as Multi30k) as (label, size, set, value)."""
     d, m = cfg.data, cfg.model
     pair = f"{d.src_lang}-{d.tgt_lang}"
-    size = next((name for name, dims in _SIZES.items() if dims == (
-        m.d_model, m.d_ff, m.n_heads, m.n_encoder_layers, m.n_decoder_layers)), None)
+    size = size_name(m)  # Table 2's rows (base, big) and the Multi30k anchor's tiny: model.SIZES
     sets = {"wmt14": {"test": "newstest2014 (full)", "dev": "newstest2013"},
             "multi30k": {"test": "Multi30k test_2016_flickr", "dev": "Multi30k val"}}.get(
         d.source, {"test": f"custom test set ({d.test_src})", "dev": f"custom dev set ({d.dev_src})"})

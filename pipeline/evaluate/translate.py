@@ -27,6 +27,7 @@ import argparse
 import logging
 import sys
 import time
+import typing
 from dataclasses import asdict
 from typing import Any, Iterable, Sequence
 
@@ -36,7 +37,7 @@ import torch
 
 from model import ModelConfig, Transformer, beam_search, max_source_len
 from pipeline import storage
-from pipeline.config import DecodeSettings
+from pipeline.config import Backend, DecodeSettings
 from pipeline.packing import pack_by_length
 from pipeline.stage import StageContext, StageResult
 
@@ -126,7 +127,7 @@ class Translator:
         elif backend == "torch":
             self.model = load_model(model_path, self.cfg, device)
         else:
-            raise ValueError(f"translate: unknown backend {backend!r} (torch | ctranslate2)")
+            raise ValueError(f"translate: unknown backend {backend!r} ({' | '.join(typing.get_args(Backend))})")
 
     def translate_ids(self, sources: Sequence[Sequence[int]]) -> list[str]:
         """Model inputs (pieces + eos, no padding) -> detokenized hypotheses."""

@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import os
 import tempfile
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,11 +79,11 @@ class ServeSettings(DecodeSettings):
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "ServeSettings":
         """Typed settings from ``serve run``'s string arguments; unknown keys are an error naming them."""
-        from pipeline.config import ConfigError, typed_fields
+        from pipeline.config import Backend, ConfigError, typed_fields
 
         s = cls(**typed_fields(cls, dict(args), "serve run's arguments"))
         s.check("serve argument ")
-        if s.backend not in ("torch", "ctranslate2"):
+        if s.backend not in typing.get_args(Backend):
             raise ConfigError(f"serve argument backend={s.backend!r}: must be torch or ctranslate2")
         if s.max_replicas and "num_replicas" in args:
             raise ConfigError("serve arguments: num_replicas (fixed) and max_replicas (autoscaling) exclude each other")

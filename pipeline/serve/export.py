@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +39,12 @@ import torch
 
 from model import ModelConfig
 from pipeline import storage
+from pipeline.config import Quantization
 from pipeline.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
 
-CT2_QUANTIZATIONS = ("float32", "int8")
+CT2_QUANTIZATIONS = typing.get_args(Quantization)
 
 
 def marian_permutation(d_model: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, size_name
 from pipeline.config import Config, ConfigError
 from pipeline.train import batching, elastic
 from pipeline.train.flops import MicroShape, count_step_flops, six_n_t
@@ -126,9 +126,9 @@ def peak_for(gpu_type: str) -> tuple[float, str]:
 
 
 def model_size(mc: ModelConfig) -> str | None:
-    """"base" / "big" when the model has Table 3's sizes (gpu_check measures those two)."""
-    sizes = {(512, 2048, 8): "base", (1024, 4096, 16): "big"}
-    return sizes.get((mc.d_model, mc.d_ff, mc.n_heads))
+    """"base" / "big" when the model has Table 3's widths (gpu_check measures those two; the
+    depth is not compared)."""
+    return size_name(mc, among=("base", "big"), keys=("d_model", "d_ff", "n_heads"))
 
 
 def mfu_from_gpu_check(path: str, mc: ModelConfig, compiled: bool, gpu_type: str) -> tuple[float, str, list[str]]:

@@ -15,15 +15,16 @@ CPU. Imports torch only (no Ray, no MLflow): the GPU check runs it on a bare CUD
 from __future__ import annotations
 
 import logging
+import typing
 from pathlib import Path
 
 import torch
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, Precision
 
 log = logging.getLogger(__name__)
 
-CHOICES = ("auto", "bf16", "fp16", "fp32")
+CHOICES = typing.get_args(Precision)
 
 
 def cpu_bf16_features() -> list[str]:

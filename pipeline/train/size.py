@@ -19,12 +19,8 @@ from pipeline.config import Config
 
 def model_config_for(cfg: Config, vocab: dict[str, Any]) -> ModelConfig:
     """`cfg.model` sizes + the vocabulary's size and special ids (from the vocab stage)."""
-    m = cfg.model
-    return ModelConfig(vocab_size=int(vocab["vocab_size"]), pad_id=int(vocab.get("pad_id", 0)),
-                       bos_id=int(vocab.get("bos_id", 2)), eos_id=int(vocab.get("eos_id", 3)),
-                       d_model=m.d_model, d_ff=m.d_ff, n_heads=m.n_heads, n_encoder_layers=m.n_encoder_layers,
-                       n_decoder_layers=m.n_decoder_layers, dropout=m.dropout, max_positions=m.max_positions,
-                       d_k=m.d_k or None, d_v=m.d_v or None, positional=m.positional)
+    return ModelConfig.of(cfg.model, int(vocab["vocab_size"]), pad_id=int(vocab.get("pad_id", 0)),
+                          bos_id=int(vocab.get("bos_id", 2)), eos_id=int(vocab.get("eos_id", 3)))
 
 
 def num_parameters(cfg: Config, vocab_size: int | None = None) -> int:

@@ -110,3 +110,53 @@ def test_a_local_mirror_has_one_spelling(tmp_path, monkeypatch):
     b = load_config(None, [f"--data.mirror={tmp_path}/x/../m"])
     assert a.data.mirror == b.data.mirror == str(tmp_path / "m")
     assert load_config(None, ["--data.mirror=http://host/wmt"]).data.mirror == "http://host/wmt"
+
+
+def _literal_fields():
+    import dataclasses
+    import typing
+
+    for section in dataclasses.fields(Config):
+        for name, tp in typing.get_type_hints(typing.get_type_hints(Config)[section.name]).items():
+            if typing.get_origin(tp) is typing.Literal:
+                yield section.name, name, typing.get_args(tp)
+
+
+def test_fixed_set_fields_are_literals_checked_from_their_annotations():
+    """A bad value of every Literal-typed field, from a file, an override or set by hand, is an
+    error naming the key, the value and the allowed values."""
+    import re
+
+    found = {f"{s}.{k}" for s, k, _ in _literal_fields()}
+    assert found >= {"data.source", "data.preprocess", "vocab.model_type", "model.positional", "train.precision",
+                     "train.early_stop_metric", "eval.backend", "eval.ct2_quantization", "eval.dev_bleu_engine",
+                     "eval.dev_bleu_quantization", "eval.average_select", "train.placement_strategy"}
+    for section, key, choices in _literal_fields():
+        want = re.escape(f"{section}.{key}: 'bogus' is not allowed (allowed: {', '.join(map(repr, choices))})")
+        with pytest.raises(ConfigError, match=want):
+            load_config(None, [f"--{section}.{key}=bogus"])
+        cfg = Config()
+        setattr(getattr(cfg, section), key, "bogus")
+        with pytest.raises(ConfigError, match=want):
+            cfg.validate()
+    with pytest.raises(ConfigError, match=re.escape("eval.splits[1]: 'valid' is not allowed (allowed: 'test', 'dev')")):
+        load_config(None, ["--eval.splits=test,valid"])
+
+
+def test_model_section_is_model_sizes_and_none_is_keyed_as_zero():
+    import dataclasses
+
+    from model import ModelConfig, ModelSizes
+    from pipeline.config import ModelSection
+    from pipeline.train.size import model_config_for
+
+    assert [f.name for f in dataclasses.fields(ModelSection)] == [f.name for f in dataclasses.fields(ModelSizes)]
+    cfg = load_config(None, ["--model.d_k=16"])
+    assert (cfg.model.d_k, cfg.model.d_v) == (16, None)
+    assert cfg.section_for_cache("model")["d_v"] == 0  # "unset" as keyed before d_k/d_v took None
+    assert load_config(None, ["--model.d_k=16", "--model.d_k=none"]).model.d_k is None
+    assert "d_v" not in cfg.to_dict()["model"] and from_dict(cfg.to_dict()) == cfg  # TOML has no None
+    with pytest.raises(ConfigError, match=r"model\.d_k must be positive, got 0"):
+        load_config(None, ["--model.d_k=0"])
+    mc = model_config_for(cfg, {"vocab_size": 100, "pad_id": 1, "bos_id": 5, "eos_id": 7})
+    assert mc == ModelConfig(vocab_size=100, pad_id=1, bos_id=5, eos_id=7, d_k=16)

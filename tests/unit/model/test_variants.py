@@ -164,3 +164,13 @@ def test_learned_positions_are_a_trained_parameter_in_place_of_sinusoids():
         model.pos_embed.weight[1].add_(1.0)  # position 1 only
         after = model(src, tgt_in)
     assert (before - after).abs().max() > 1e-4  # the positions are what the model reads
+
+
+def test_named_sizes_are_one_table():
+    from model import SIZES, size_name
+
+    assert size_name(ModelConfig.base(100)) == "base" and size_name(ModelConfig.big(100)) == "big"
+    assert size_name(ModelConfig(vocab_size=100, **SIZES["tiny"])) == "tiny"
+    assert size_name(ModelConfig.base(100, n_encoder_layers=4)) is None
+    assert size_name(ModelConfig.base(100, n_encoder_layers=4), keys=("d_model", "d_ff", "n_heads")) == "base"
+    assert ModelConfig.big(100).dropout == 0.3 and ModelConfig.base(100).dropout == 0.1

@@ -103,6 +103,16 @@ def test_mfu_from_a_gpu_check_json(tmp_path):
         bill.peak_for("P100")
 
 
+def test_model_size_is_base_or_big_by_width():
+    """gpu_check measures base and big: a deeper or shallower base is billed with base's MFU; a tiny model
+    (model.SIZES' third name) with neither."""
+    from model import SIZES
+
+    assert bill.model_size(ModelConfig.base(100, n_encoder_layers=4)) == "base"
+    assert bill.model_size(ModelConfig.big(100, n_decoder_layers=2)) == "big"
+    assert bill.model_size(ModelConfig(vocab_size=100, **SIZES["tiny"])) is None
+
+
 def test_plan_bills_with_the_cached_encode_stage_and_the_run_logs_it(tmp_path):
     cfg = load_config(None, [f"--run.work_dir={tmp_path / 'work'}", "--train.max_steps=100",
                              "--train.tokens_per_step=500", "--train.max_tokens_per_batch=400", "--train.num_workers=2",

@@ -1,7 +1,10 @@
-"""One typed config tree for the whole DAG, read from TOML with `--section.key=value` overrides.
+"""The config's schema: one typed dataclass per section and `Config`, the tree of them.
 
-Precedence: command line > config file > the defaults below. Unknown keys, wrong types and
-impossible values are errors that name the key (``ConfigError``).
+Precedence: command line > config file > the defaults below (`pipeline.config.loader` reads
+them). Unknown keys, wrong types and impossible values are errors that name the key
+(``ConfigError``). A field whose valid values are a fixed set is typed with a ``Literal`` (the
+aliases below, the one spelling of each set); `Config.validate` and the loader check them from
+the annotations, so a section's `validate` checks only the rest.
 
 A field whose metadata says ``cache=False`` is operational (how many workers, how often to log):
 changing it never invalidates a cached stage. Everything else is part of a stage's cache key.
@@ -11,16 +14,26 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from model.config import ModelSizes
 
-class ConfigError(ValueError):
-    """A config file or override is wrong; the message names the key."""
+from .checks import ConfigError, check as _check, check_allowed, parse_resources
+
+# The allowed values of the config's fixed-set fields (`typing.get_args(Backend)` spells a set elsewhere).
+Source = Literal["wmt14", "multi30k", "custom"]  # data.source
+Preprocess = Literal["none", "lowercase_moses"]  # data.preprocess
+VocabModel = Literal["bpe", "unigram"]  # vocab.model_type
+Precision = Literal["auto", "bf16", "fp16", "fp32"]  # train.precision
+Placement = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]  # train.placement_strategy
+GradCompression = Literal["none", "bf16"]  # train.grad_compression
+CheckpointUpload = Literal["async", "sync"]  # train.checkpoint_upload
+EarlyStopMetric = Literal["dev_bleu", "val_loss"]  # train.early_stop_metric
+Backend = Literal["torch", "ctranslate2"]  # eval.backend, eval.dev_bleu_engine (serve's backend)
+Quantization = Literal["float32", "int8"]  # eval.ct2_quantization, eval.dev_bleu_quantization (export)
+AverageSelect = Literal["last", "best_dev_bleu"]  # eval.average_select
+Split = Literal["test", "dev"]  # eval.splits
 
 
 def op(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
@@ -40,7 +53,7 @@ class DataConfig:
 
     # "wmt14" (the paper's data, §5.1), "multi30k" (Multi30k task 1, the small published benchmark a
     # CPU reproduces: pipeline/data/sources.py) or "custom" (your own files below)
-    source: str = "wmt14"
+    source: Source = "wmt14"
     src_lang: str = "en"
     tgt_lang: str = "de"
     # Replaces http://statmt.org/ for every WMT14 file: a URL or a local folder with the same
@@ -51,7 +64,7 @@ class DataConfig:
     # it. "lowercase_moses": Multi30k's scripts/task1-tokenize.sh (lowercase, Moses punctuation
     # normalization and tokenizer per language, via sacremoses); score then reports the benchmark's
     # BLEU on that text beside sacreBLEU on the raw reference. "none": the text as it is (§5.1).
-    preprocess: str = "none"
+    preprocess: Preprocess = "none"
     # source = "custom": plain-text files, one sentence per line (local paths or URLs, .gz ok).
     train_src: list[str] = field(default_factory=list)
     train_tgt: list[str] = field(default_factory=list)
@@ -74,10 +87,6 @@ class DataConfig:
         return f"{self.src_lang.upper()}-{self.tgt_lang.upper()}"
 
     def validate(self) -> None:
-        _check(self.source in ("wmt14", "multi30k", "custom"), "data.source",
-               "must be 'wmt14', 'multi30k' or 'custom'")
-        _check(self.preprocess in ("none", "lowercase_moses"), "data.preprocess",
-               "must be 'none' or 'lowercase_moses'")
         if self.source == "custom":
             _check(bool(self.train_src) and len(self.train_src) == len(self.train_tgt),
                    "data.train_src", "custom data needs train_src and train_tgt lists of equal length")
@@ -94,7 +103,7 @@ class VocabConfig:
     """The shared SentencePiece model (``vocab``)."""
 
     size: int = 37000  # §5.1: "a shared source-target vocabulary of about 37000 tokens"
-    model_type: str = "bpe"  # §5.1: byte-pair encoding
+    model_type: VocabModel = "bpe"  # §5.1: byte-pair encoding
     sample_sentences: int = 2_000_000  # deterministic sample of both sides used for training SPM
     character_coverage: float = 1.0
     seed: int = 1234
@@ -102,36 +111,20 @@ class VocabConfig:
 
     def validate(self) -> None:
         _check(self.size >= 8, "vocab.size", "must be >= 8")
-        _check(self.model_type in ("bpe", "unigram"), "vocab.model_type", "must be 'bpe' or 'unigram'")
         _check(self.sample_sentences > 0, "vocab.sample_sentences", "must be > 0")
         _check(0.0 < self.character_coverage <= 1.0, "vocab.character_coverage", "must be in (0, 1]")
 
 
 @dataclass
-class ModelSection:
-    """The Transformer's sizes (Table 3, base); vocab_size and special ids come from ``vocab``."""
-
-    d_model: int = 512  # Table 3
-    d_ff: int = 2048  # Table 3
-    n_heads: int = 8  # Table 3
-    n_encoder_layers: int = 6  # Table 3
-    n_decoder_layers: int = 6  # Table 3
-    dropout: float = 0.1  # §5.4, P_drop
-    max_positions: int = 1024  # must cover the longest source + 50 at decode time
-    # Per-head key/value widths (Table 3 rows A, B); 0 = d_model / n_heads (TOML has no None).
-    d_k: int = 0
-    d_v: int = 0
-    positional: str = "sinusoid"  # §3.5; "learned" = Table 3 row E
+class ModelSection(ModelSizes):
+    """The Transformer's sizes: `model.config.ModelSizes`' fields, defaults (Table 3, base) and
+    checks; vocab_size and special ids come from ``vocab`` (`pipeline.train.size.model_config_for`)."""
 
     def validate(self) -> None:
-        for k in ("d_model", "d_ff", "n_heads", "n_encoder_layers", "n_decoder_layers", "max_positions"):
-            _check(getattr(self, k) > 0, f"model.{k}", "must be > 0")
-        for k in ("d_k", "d_v"):
-            _check(getattr(self, k) >= 0, f"model.{k}", "must be >= 0 (0 = d_model / n_heads)")
-        _check(self.d_model % self.n_heads == 0 or (self.d_k and self.d_v), "model.d_model",
-               "must be divisible by model.n_heads (or set model.d_k and model.d_v)")
-        _check(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-        _check(self.positional in ("sinusoid", "learned"), "model.positional", "must be 'sinusoid' or 'learned'")
+        try:
+            self.check_sizes("model.")
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from e
 
 
 @dataclass
@@ -146,7 +139,7 @@ class TrainConfig:
     use_gpu: bool = op(True)
     # "auto": bf16 autocast where the device does bf16 natively (CUDA; a CPU with AVX512-BF16 or
     # AMX), else fp32 (fp16 on a GPU without bf16). "bf16" on a CPU without it is an error.
-    precision: str = op("auto")  # "auto" | "bf16" | "fp16" | "fp32" (pipeline/train/precision.py)
+    precision: Precision = op("auto")  # (pipeline/train/precision.py)
     max_tokens_per_batch: int = op(12500)  # per worker micro-batch cap (src or tgt tokens)
     tokens_per_step: int = 25000  # §5.1: ~25000 target tokens per optimizer step
     max_steps: int = 100_000  # §5.3: base model trained 100k steps
@@ -167,7 +160,7 @@ class TrainConfig:
     max_failures: int = op(3)  # Ray Train FailureConfig: worker failures survived per run
     # Ray placement of the workers: "PACK" (fill a node first: NVLink/NCCL within one 8-GPU node),
     # "SPREAD", or "STRICT_SPREAD" (one worker per node).
-    placement_strategy: str = op("PACK")
+    placement_strategy: Placement = op("PACK")
     # CPUs Ray reserves for each worker, and its torch threads. 0 = auto: on CPU, the cluster's
     # CPUs shared out over the workers (local mode: the whole machine); on GPU, 1.
     cpus_per_worker: int = op(0)
@@ -175,8 +168,8 @@ class TrainConfig:
     prefetch: bool = op(True)  # prepare the next step's micro-batches in a background thread
     compile: bool = op(False)  # torch.compile(dynamic=True) the model (GPU; works on CPU with a C++ compiler)
     compile_backend: str = op("inductor")  # torch.compile backend ("aot_eager": capture only, for tests)
-    grad_compression: str = op("none")  # "bf16": DDP all-reduces gradients in bf16 (multi-node)
-    checkpoint_upload: str = op("async")  # "async": upload in the background (Ray Train ASYNC); "sync"
+    grad_compression: GradCompression = op("none")  # "bf16": DDP all-reduces gradients in bf16 (multi-node)
+    checkpoint_upload: CheckpointUpload = op("async")  # "async": upload in the background (Ray Train ASYNC); "sync"
     # An object store that refuses or drops writes: a checkpoint upload is retried with backoff for
     # up to this many seconds (pipeline.train.upload), then the worker fails (max_failures).
     checkpoint_upload_retry_s: float = op(600.0)
@@ -189,7 +182,7 @@ class TrainConfig:
     # Marian --early-stopping). "dev_bleu": each checkpoint's dev sacreBLEU (eval.dev_bleu, seen
     # when its validation task ends); "val_loss": the dev loss every train.eval_interval_steps.
     early_stop_patience: int = keyed_if_set(0)
-    early_stop_metric: str = keyed_if_set("dev_bleu")
+    early_stop_metric: EarlyStopMetric = keyed_if_set("dev_bleu")
     # The bill --plan prints (pipeline/train/bill.py): the GPU each worker has, and the MFU it
     # assumes unless a benchmarks/gpu_check.sh JSON (mfu_from, or --mfu-from) measured one.
     gpu_type: str = op("A100")
@@ -205,8 +198,6 @@ class TrainConfig:
         else:
             _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
         _check(self.elastic_resize_interval_s >= 0, "train.elastic_resize_interval_s", "must be >= 0")
-        _check(self.precision in ("auto", "bf16", "fp16", "fp32"), "train.precision",
-               "must be auto, bf16, fp16 or fp32")
         _check(self.max_tokens_per_batch > 0, "train.max_tokens_per_batch", "must be > 0")
         _check(self.tokens_per_step > 0, "train.tokens_per_step", "must be > 0")
         _check(self.max_steps > 0, "train.max_steps", "must be > 0")
@@ -219,16 +210,10 @@ class TrainConfig:
         _check(self.eval_interval_steps > 0, "train.eval_interval_steps", "must be > 0")
         _check(self.log_interval_steps > 0, "train.log_interval_steps", "must be > 0")
         _check(self.max_failures >= 0, "train.max_failures", "must be >= 0")
-        _check(self.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-               "train.placement_strategy", "must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
         _check(self.cpus_per_worker >= 0, "train.cpus_per_worker", "must be >= 0 (0 = auto)")
-        _check(self.grad_compression in ("none", "bf16"), "train.grad_compression", "must be none or bf16")
-        _check(self.checkpoint_upload in ("async", "sync"), "train.checkpoint_upload", "must be async or sync")
         _check(self.checkpoint_upload_retry_s >= 0, "train.checkpoint_upload_retry_s", "must be >= 0 (0 = no retry)")
         _check(self.preemption_grace_s >= 0, "train.preemption_grace_s", "must be >= 0 (0 = off)")
         _check(self.early_stop_patience >= 0, "train.early_stop_patience", "must be >= 0 (0 = off)")
-        _check(self.early_stop_metric in ("dev_bleu", "val_loss"), "train.early_stop_metric",
-               "must be 'dev_bleu' or 'val_loss'")
         _check(0.0 < self.assumed_mfu <= 1.0, "train.assumed_mfu", "must be in (0, 1] (0.3 = 30%)")
 
 
@@ -268,17 +253,17 @@ class EvalConfig(DecodeSettings):
     # torch threads per CPU actor; 0 = auto: the node's CPUs shared out over eval.num_workers
     # (Ray still reserves run.data_num_cpus per actor, so the read tasks keep a CPU).
     threads_per_worker: int = op(0)
-    splits: list[str] = field(default_factory=lambda: ["test"])  # "test" and/or "dev"
+    splits: list[Split] = field(default_factory=lambda: ["test"])  # "test" and/or "dev"
     # 0 = every sentence. Otherwise decode and score only the first N sentences of each split:
     # for smoke tests; the report says so, and such a score is not comparable with the paper's.
     max_sentences: int = 0
     # The decoding engine of `translate`: "torch" = our beam search (the reference semantics,
     # GNMT length penalty); "ctranslate2" = the `export` stage's CTranslate2 model (the fast path).
-    backend: str = "torch"
-    ct2_quantization: str = "int8"  # the exported CTranslate2 model the backend runs: "float32" | "int8"
+    backend: Backend = "torch"
+    ct2_quantization: Quantization = "int8"  # the exported CTranslate2 model the backend runs
     # Which checkpoints `average` averages: "last" (§6.1: the last eval.average_last) or
     # "best_dev_bleu" (the eval.average_last kept checkpoints with the highest dev sacreBLEU).
-    average_select: str = "last"
+    average_select: AverageSelect = "last"
     # Heatmaps of the averaged model's attention (encoder self, decoder cross; every layer and head)
     # for the first N short test sentences, drawn by `score` beside its report and logged to MLflow.
     attention_sentences: int = 3
@@ -287,31 +272,22 @@ class EvalConfig(DecodeSettings):
     # the four settings below decide the numbers, so `average` keys on them when it selects by them.
     dev_bleu: bool = op(True)
     dev_bleu_sentences: int = 0  # 0 = the whole dev split; else its first N sentences
-    dev_bleu_engine: str = "ctranslate2"  # "ctranslate2" (converted in the task) | "torch" (our beam search)
-    dev_bleu_quantization: str = "int8"  # the CTranslate2 model the task converts: "int8" | "float32"
+    dev_bleu_engine: Backend = "ctranslate2"  # "ctranslate2" (converted in the task) | "torch" (our beam search)
+    dev_bleu_quantization: Quantization = "int8"  # the CTranslate2 model the task converts
     dev_bleu_beam_size: int = 0  # 0 = eval.beam_size (with eval.alpha, max_len_a/b); 1 = greedy
     # Ray resources of the validation task, "CPU=4" or "GPU=1,CPU=2": its CPUs are its decoding
     # threads; CPU=0 reserves none (it time-shares the training's cores, one thread).
     dev_bleu_resources: str = op("CPU=1")
 
     def validate(self) -> None:
-        _check(self.backend in ("torch", "ctranslate2"), "eval.backend", "must be 'torch' or 'ctranslate2'")
-        _check(self.ct2_quantization in ("float32", "int8"), "eval.ct2_quantization", "must be 'float32' or 'int8'")
         _check(self.average_last >= 1, "eval.average_last", "must be >= 1")
         self.check("eval.")
         _check(self.batch_tokens > 0, "eval.batch_tokens", "must be > 0")
         _check(self.num_workers >= 1, "eval.num_workers", "must be >= 1")
         _check(self.max_sentences >= 0, "eval.max_sentences", "must be >= 0 (0 = all)")
         _check(self.attention_sentences >= 0, "eval.attention_sentences", "must be >= 0 (0 = none)")
-        _check(bool(self.splits) and set(self.splits) <= {"test", "dev"}, "eval.splits",
-               "must be a non-empty subset of ['test', 'dev']")
-        _check(self.average_select in ("last", "best_dev_bleu"), "eval.average_select",
-               "must be 'last' or 'best_dev_bleu'")
+        _check(bool(self.splits), "eval.splits", "must be a non-empty subset of ['test', 'dev']")
         _check(self.dev_bleu_sentences >= 0, "eval.dev_bleu_sentences", "must be >= 0 (0 = all)")
-        _check(self.dev_bleu_engine in ("ctranslate2", "torch"), "eval.dev_bleu_engine",
-               "must be 'ctranslate2' or 'torch'")
-        _check(self.dev_bleu_quantization in ("float32", "int8"), "eval.dev_bleu_quantization",
-               "must be 'float32' or 'int8'")
         _check(self.dev_bleu_beam_size >= 0, "eval.dev_bleu_beam_size", "must be >= 0 (0 = eval.beam_size)")
         parse_resources(self.dev_bleu_resources, "eval.dev_bleu_resources")
 
@@ -361,6 +337,7 @@ class Config:
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
+            check_allowed(section, f"{f.name}.")
             if hasattr(section, "validate"):
                 section.validate()
         _check(self.train.keep_checkpoints >= self.eval.average_last, "train.keep_checkpoints",
@@ -382,159 +359,21 @@ class Config:
                            "MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, ...)")
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Section -> key -> value. An unset (None) value is left out, as in a config file (TOML
+        has no None): the dict reads back (`from_dict`) and prints as TOML (MLflow's resolved.toml)."""
+        return {name: {k: v for k, v in values.items() if v is not None}
+                for name, values in dataclasses.asdict(self).items()}
 
     def section_for_cache(self, name: str) -> dict[str, Any]:
-        """The values of one section that change a stage's output (``cache=False`` fields left out)."""
+        """The values of one section that change a stage's output (``cache=False`` fields left out).
+        An unset (None) value is keyed as 0: model.d_k / d_v spelled "unset" 0 before they took
+        None (0 is no longer valid), so the keys of earlier runs still hold."""
         section = getattr(self, name)
-        return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+        return {f.name: 0 if getattr(section, f.name) is None else getattr(section, f.name)
+                for f in dataclasses.fields(section)
                 if f.metadata.get("cache", True) is True
                 or (f.metadata.get("cache") == "if_set" and getattr(section, f.name) != f.default)}
 
 
 # scheme://<anything but / ? # @>@...: a user, a key or a user:secret pair before the host.
 _CREDENTIALS_IN_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s]+@")
-
-
-def parse_resources(text: str, key: str) -> dict[str, float]:
-    """"GPU=1,CPU=2" -> {"GPU": 1.0, "CPU": 2.0}; a bad entry is a ConfigError naming `key`."""
-    out: dict[str, float] = {}
-    for item in (t.strip() for t in text.split(",") if t.strip()):
-        name, sep, amount = item.partition("=")
-        try:
-            value = float(amount)
-        except ValueError:
-            value = -1.0
-        _check(bool(sep) and bool(name.strip()) and value >= 0, key,
-               f"expected NAME=amount entries like 'CPU=1' or 'GPU=1,CPU=2', got {item!r}")
-        out[name.strip()] = value
-    return out
-
-
-def _check(ok: bool, key: str, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {why}")
-
-
-def coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check (and, for strings from the command line, parse) a value against a field's type.
-
-    The one coercer of the project: config sections, `serve run` arguments and the translate
-    CLI all go through it (`typed_fields`), so a key's errors read the same everywhere."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):  # e.g. int | list[int]: the first type that fits
-        for option in typing.get_args(tp):
-            try:
-                return coerce(value, option, key)
-            except ConfigError:
-                pass
-        names = " or ".join(getattr(o, "__name__", str(o)) if typing.get_origin(o) is None else str(o)
-                            for o in typing.get_args(tp))
-        raise ConfigError(f"{key}: expected {names}, got {type(value).__name__} {value!r}")
-    if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        if isinstance(value, str):  # from the command line: comma-separated
-            value = [v for v in value.split(",") if v] if value else []
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
-        return [coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        elif isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__} {value!r}")
-
-
-def _apply(cfg: Config, values: dict[str, Any], origin: str) -> None:
-    hints = typing.get_type_hints(Config)
-    for section_name, section_values in values.items():
-        if section_name not in hints:
-            raise ConfigError(f"{section_name}: unknown config section in {origin} "
-                              f"(known: {', '.join(hints)})")
-        if not isinstance(section_values, dict):
-            raise ConfigError(f"{section_name}: expected a [table] in {origin}")
-        section = getattr(cfg, section_name)
-        for key, value in typed_fields(type(section), section_values, origin, f"{section_name}.").items():
-            setattr(section, key, value)
-
-
-def typed_fields(cls: type, values: dict[str, Any], origin: str, prefix: str = "") -> dict[str, Any]:
-    """`values` checked against the dataclass `cls`'s fields (`coerce`d by their type hints);
-    an unknown key is a `ConfigError` naming it and the known ones."""
-    field_types = typing.get_type_hints(cls)
-    out = {}
-    for key, value in values.items():
-        full = f"{prefix}{key}"
-        if key not in field_types:
-            raise ConfigError(f"{full}: unknown config key in {origin} (known: {', '.join(field_types)})")
-        out[key] = coerce(value, field_types[key], full)
-    return out
-
-
-def parse_overrides(args: list[str]) -> dict[str, dict[str, str]]:
-    """``["--train.max_steps=10", ...]`` -> ``{"train": {"max_steps": "10"}}``."""
-    out: dict[str, dict[str, str]] = {}
-    for arg in args:
-        body = arg[2:] if arg.startswith("--") else arg
-        if "=" not in body or "." not in body.split("=", 1)[0]:
-            raise ConfigError(f"{arg}: overrides look like --section.key=value")
-        dotted, value = body.split("=", 1)
-        section, key = dotted.split(".", 1)
-        out.setdefault(section, {})[key] = value
-    return out
-
-
-def load_config(path: str | Path | typing.Sequence[str | Path] | None = None,
-                overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file(s) in order (a later file overrides the keys it names, e.g. a
-    recipe then ``configs/cluster-overlay.toml``), then ``--section.key=value`` overrides; validated."""
-    cfg = Config()
-    paths = [] if path is None else [path] if isinstance(path, (str, Path)) else list(path)
-    for p in map(Path, paths):
-        if not p.exists():
-            raise ConfigError(f"--config: no such file {p}")
-        with p.open("rb") as f:
-            try:
-                data = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"{p}: not valid TOML ({e})") from e
-        _apply(cfg, data, str(p))
-    if overrides:
-        _apply(cfg, parse_overrides(overrides), "the command line")
-    _normalize(cfg)
-    return cfg.validate()
-
-
-def _normalize(cfg: Config) -> None:
-    """One spelling per local mirror folder, so `../x` and `/abs/x` give the same cache key."""
-    mirror = cfg.data.mirror
-    if mirror and "://" not in mirror:
-        cfg.data.mirror = str(Path(mirror).expanduser().resolve())
-
-
-def from_dict(data: dict[str, Any]) -> Config:
-    """Rebuild a Config from ``to_dict()`` output (e.g. inside Ray workers)."""
-    cfg = Config()
-    _apply(cfg, data, "a config dict")
-    return cfg.validate()
-
