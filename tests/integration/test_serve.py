@@ -64,7 +64,7 @@ def server(tiny_model, ray_local):
 
 
 def test_good_requests_are_translated_like_the_translator_does(server, tiny_model, wmt14_dir):
-    from pipeline.evaluate.translate import Translator
+    from pipeline.decoding.translator import Translator
 
     en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:3]
     status, out = _post(f"{server}/translate", _json({"text": [en[0], "", en[1], en[2]]}))
