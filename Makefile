@@ -39,8 +39,8 @@ plan: install
 	$(BIN)/python workflows/reproduce_base.py --config $(CONFIG) $(if $(WMT14_MIRROR),--data.mirror=$(WMT14_MIRROR),) --plan $(ARGS)
 
 # The import contracts first (lint-imports: a broken one stops here), then two tiers: the fast one
-# first (a failure stops here, in seconds), then the rest; each prints its 25 slowest tests, and the total wall time comes last. Every test has a bound (pytest-timeout,
-# pyproject.toml).
+# first (a failure stops here, in seconds), then the rest; each prints its 25 slowest tests, and
+# the total wall time comes last. Every test has a bound (pytest-timeout, pyproject.toml).
 PYTEST_TIERS := --durations=25
 
 test: install
