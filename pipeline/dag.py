@@ -31,7 +31,8 @@ _CLEANING = ("data.preprocess", "data.max_words", "data.max_length_ratio", "data
 
 # The beam search's keys: DecodeSettings' fields (eval.beam_size, eval.alpha, eval.max_len_a, eval.max_len_b).
 _DECODE = tuple(f"eval.{f.name}" for f in dataclasses.fields(DecodeSettings))
-# What decides a dev BLEU number (pipeline.decoding.dev_bleu.DevBleuSettings: its own eval.dev_bleu_* and the decode keys).
+# What decides a dev BLEU number (pipeline.decoding.dev_bleu.DevBleuSettings: eval.dev_bleu_* and the
+# decode keys).
 _DEV_BLEU = ("eval.average_select", "eval.dev_bleu_sentences", "eval.dev_bleu_engine",
              "eval.dev_bleu_quantization", "eval.dev_bleu_beam_size", *_DECODE)
 
