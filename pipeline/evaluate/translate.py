@@ -167,3 +167,7 @@ def _log_artifact(ctx: StageContext, uri: str) -> None:
         ctx.tracker.log_artifact(str(storage.local_copy(uri)), "hyps")
     except Exception:  # noqa: BLE001 - tracking must not fail a finished decode
         log.warning("could not log %s to the tracker", uri, exc_info=True)
+
+
+if __name__ == "__main__":  # the CLI moved to the shared library: say so rather than exit silently
+    raise SystemExit("the translate CLI is `python -m pipeline.decoding.translate` (pipeline/decoding/translate.py)")
