@@ -38,13 +38,15 @@ multi30k: install
 plan: install
 	$(BIN)/python workflows/reproduce_base.py --config $(CONFIG) $(if $(WMT14_MIRROR),--data.mirror=$(WMT14_MIRROR),) --plan $(ARGS)
 
-# Two tiers: the fast one first (a failure stops here, in seconds), then the rest; each prints its
-# 25 slowest tests, and the total wall time comes last. Every test has a bound (pytest-timeout,
-# pyproject.toml).
+# The import contracts first (lint-imports: a broken one stops here), then two tiers: the fast one
+# first (a failure stops here, in seconds), then the rest; each prints its 25 slowest tests, and
+# the total wall time comes last. Every test has a bound (pytest-timeout, pyproject.toml).
 PYTEST_TIERS := --durations=25
 
 test: install
 	@t0=$$(date +%s); \
+	echo "== import contracts (lint-imports, pyproject.toml [tool.importlinter]) =="; \
+	$(BIN)/lint-imports || { echo "== an import contract is broken: tests not run =="; exit 1; }; \
 	echo "== fast tier (make test-unit): tests/unit, not slow =="; \
 	$(BIN)/python -m pytest tests/unit -m "not slow" $(PYTEST_TIERS) || { echo "== fast tier failed: slow tier not run =="; exit 1; }; \
 	t1=$$(date +%s); \
@@ -55,6 +57,7 @@ test: install
 	exit $$rc
 
 test-unit: install
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest tests/unit -m "not slow" $(PYTEST_TIERS)
 
 # Everything `test-unit` does not run: tests/integration and the unit tests marked slow.

@@ -41,8 +41,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from model import ModelConfig, Transformer  # noqa: E402
+from model import ModelConfig, Transformer, max_source_len  # noqa: E402
 from pipeline.config import DecodeSettings  # noqa: E402
+from pipeline.decoding import batching, translator  # noqa: E402
 from pipeline.evaluate import translate  # noqa: E402
 
 log = logging.getLogger("decode_bench")
@@ -73,7 +74,7 @@ def make_assets(root: Path, data: Path, num_sentences: int, model_cfg: dict) -> 
             "split_dir": str(root / "test"), "num_src_tokens": sum(len(i) + 1 for i in ids)}
 
 
-class TimedTranslator(translate.Translator):
+class TimedTranslator(translator.Translator):
     """Adds the CPU seconds each call spent in this actor (``cpu_s``, on the call's first row)."""
 
     def __call__(self, batch):
@@ -87,10 +88,10 @@ class TimedTranslator(translate.Translator):
 def plain_loop(assets: dict, settings: dict, batch_tokens: int, threads: int) -> tuple[float, dict, float]:
     """Translator in this process over the planned batches: (seconds, idx -> hypothesis, CPU seconds)."""
     torch.set_num_threads(threads)
-    tr = translate.Translator(assets["model"], assets["model_config"], assets["spm"], settings)
-    df = translate.read_split(assets["split_dir"], ["idx", "src_ids"])
-    max_len = translate.max_source_len(tr.cfg.max_positions, settings["max_len_a"], settings["max_len_b"])
-    rows, _ = translate.plan_split("test", df, max_len, tr.cfg.eos_id, batch_tokens)
+    tr = translator.Translator(assets["model"], assets["model_config"], assets["spm"], settings)
+    df = batching.read_split(assets["split_dir"], ["idx", "src_ids"])
+    max_len = max_source_len(tr.cfg.max_positions, settings["max_len_a"], settings["max_len_b"])
+    rows, _ = batching.plan_split("test", df, max_len, tr.cfg.eos_id, batch_tokens)
     start, cpu_start = time.perf_counter(), time.process_time()
     hyps = {}
     for _, group in rows.groupby("batch_id", sort=False):
@@ -103,10 +104,10 @@ def ray_run(assets: dict, settings: dict, batch_tokens: int, workers: int, actor
             probe: bool = False) -> tuple[float, dict, float]:
     """translate's Ray Data path (``translate_rows``) with ``workers`` CPU actors; ``probe``
     decodes one short sentence only, which measures the fixed cost (actor start, model load)."""
-    df = translate.read_split(assets["split_dir"], ["idx", "src_ids"])
+    df = batching.read_split(assets["split_dir"], ["idx", "src_ids"])
     cfg = ModelConfig.from_dict(assets["model_config"])
-    max_len = translate.max_source_len(cfg.max_positions, settings["max_len_a"], settings["max_len_b"])
-    rows, _ = translate.plan_split("test", df, max_len, cfg.eos_id, batch_tokens)
+    max_len = max_source_len(cfg.max_positions, settings["max_len_a"], settings["max_len_b"])
+    rows, _ = batching.plan_split("test", df, max_len, cfg.eos_id, batch_tokens)
     if probe:
         rows = rows.iloc[[-1]]  # the shortest sentence
     kwargs = {"model_path": assets["model"], "model_config": assets["model_config"], "spm_path": assets["spm"],
@@ -125,7 +126,7 @@ def engine_assets(args: argparse.Namespace, root: Path) -> dict:
     average + vocab; ``--work-dir`` replaces its run.work_dir; ``pipeline.models.find_model``),
     else the tiny model of tests/support/tiny_model.py trained here (~30 s); exported here."""
     from pipeline.models import find_model
-    from pipeline.serve.export import export_all
+    from pipeline.decoding.conversion import export_all
 
     if args.config:
         files = find_model(config=args.config, work_dir=args.work_dir)
@@ -153,10 +154,10 @@ def compare_engines(args: argparse.Namespace) -> dict:
         assets = engine_assets(args, Path(tmp))
         results["model"] = assets["model_config"]
         for name, backend, folder in ENGINES:
-            tr = translate.Translator(assets["model"], assets["model_config"], assets["spm"], settings,
+            tr = translator.Translator(assets["model"], assets["model_config"], assets["spm"], settings,
                                       num_threads=1, backend=backend, ct2_model=assets.get(folder, ""))
             start = time.perf_counter()
-            hyps, _ = translate.translate_lines(tr, src, args.batch_tokens)
+            hyps, _ = translator.translate_lines(tr, src, args.batch_tokens)
             wall = time.perf_counter() - start
             bleu = sacrebleu.corpus_bleu(hyps, [refs]).score
             results["engines"].append({"engine": name, "wall_s": wall, "sentences_per_s": len(src) / wall,

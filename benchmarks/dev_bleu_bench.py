@@ -2,7 +2,7 @@
 
 ``--validation``: one checkpoint of Transformer base (d_model 512, 6+6 layers, 8 heads, d_ff 2048,
 a 37000-piece vocabulary; random weights, which is fine for timing) validated as the Ray task does
-it (``pipeline.evaluate.dev_bleu.score_checkpoint``: conversion to CTranslate2 int8 with the export
+it (``pipeline.decoding.dev_bleu.score_checkpoint``: conversion to CTranslate2 int8 with the export
 code, greedy or beam decoding of newstest2013's 3000 sentences, sacreBLEU + chrF + tokenized BLEU),
 at each thread count of ``--threads``. A random model never predicts eos, so every hypothesis runs
 to its length limit: the configured one (source + 50, the worst case) and one near real output
@@ -91,8 +91,9 @@ def dev_split(root: Path, spm_path: Path, num: int) -> tuple[str, float]:
 def bench_validation(args: argparse.Namespace) -> dict:
     import torch
 
-    from pipeline.evaluate.dev_bleu import DevBleuSettings, score_checkpoint
-    from pipeline.serve.export import export_ct2, export_hf
+    from pipeline.config import DecodeSettings
+    from pipeline.decoding.conversion import export_ct2, export_hf
+    from pipeline.decoding.dev_bleu import DevBleuSettings, score_checkpoint
 
     torch.set_num_threads(max(int(t) for t in args.threads.split(",")))
     rows = []
@@ -112,7 +113,7 @@ def bench_validation(args: argparse.Namespace) -> dict:
         print(f"conversion to CTranslate2 int8 alone: {convert_s:.1f} s", flush=True)
         for a, b, label in ((1.0, 50, "source + 50 (configured; worst case)"), (1.1, 5, "1.1 x source + 5")):
             for threads in (int(t) for t in args.threads.split(",")):
-                settings = DevBleuSettings(0, "ctranslate2", "int8", args.beam, 0.6, a, b)
+                settings = DevBleuSettings(0, "ctranslate2", "int8", DecodeSettings(args.beam, 0.6, a, b))
                 t0 = time.perf_counter()
                 r = score_checkpoint(ckpt["folder"], dev_dir, str(spm_path), settings, "de", "cpu", threads)
                 wall = time.perf_counter() - t0

@@ -46,7 +46,7 @@ def app_args(args: argparse.Namespace, root: Path) -> dict:
               "beam_size": args.beam, "max_sentences_per_request": MAX_SENTENCES}
     if args.config:
         return {"config": args.config, **common}
-    from pipeline.serve.export import export_all
+    from pipeline.decoding.conversion import export_all
     from tests.support.tiny_model import train_tiny_model
 
     tiny = train_tiny_model(Path(args.data), root / "tiny")

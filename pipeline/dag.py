@@ -14,12 +14,13 @@ in ``docs/stages.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any
 
 from pipeline import storage
-from pipeline.config import Config
+from pipeline.config import Config, DecodeSettings
 from pipeline.stage import MANIFEST, Manifest, Stage
 
 _DATA_SOURCE = ("data.source", "data.src_lang", "data.tgt_lang", "data.mirror",
@@ -28,9 +29,12 @@ _DATA_SOURCE = ("data.source", "data.src_lang", "data.tgt_lang", "data.mirror",
 _CLEANING = ("data.preprocess", "data.max_words", "data.max_length_ratio", "data.dedup",
              "data.max_pairs_per_corpus", "data.num_shards")
 
+# The beam search's keys: DecodeSettings' fields (eval.beam_size, eval.alpha, eval.max_len_a, eval.max_len_b).
+_DECODE = tuple(f"eval.{f.name}" for f in dataclasses.fields(DecodeSettings))
+# What decides a dev BLEU number (pipeline.decoding.dev_bleu.DevBleuSettings: eval.dev_bleu_* and the
+# decode keys).
 _DEV_BLEU = ("eval.average_select", "eval.dev_bleu_sentences", "eval.dev_bleu_engine",
-             "eval.dev_bleu_quantization", "eval.dev_bleu_beam_size", "eval.beam_size", "eval.alpha",
-             "eval.max_len_a", "eval.max_len_b")
+             "eval.dev_bleu_quantization", "eval.dev_bleu_beam_size", *_DECODE)
 
 STAGES: tuple[Stage, ...] = (
     Stage("download", "1", _DATA_SOURCE, (), "pipeline.data.download:run", checksum_files=False),
@@ -44,8 +48,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("average", "1", ("eval.average_last",), ("train",), "pipeline.evaluate.average:run",
           reads_if=(("eval.average_select", "best_dev_bleu", _DEV_BLEU),)),
     Stage("export", "1", (), ("average", "vocab"), "pipeline.serve.export:run"),
-    Stage("translate", "1", ("eval.beam_size", "eval.alpha", "eval.max_len_a", "eval.max_len_b",
-                             "eval.splits", "eval.max_sentences", "eval.backend", "eval.ct2_quantization"),
+    Stage("translate", "1", (*_DECODE, "eval.splits", "eval.max_sentences", "eval.backend", "eval.ct2_quantization"),
           ("average", "encode", "vocab", "export"), "pipeline.evaluate.translate:run"),
     # The report names the pair and test set and picks its Table 2 row from data.* and model.*;
     # it reads the training facts from train and the averaged checkpoints from average, where they are made.

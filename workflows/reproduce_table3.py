@@ -68,8 +68,8 @@ def row_tags(row: str) -> dict[str, str]:
 
 def row_result(row: str, cfg: Config, outcome: sweep.Outcome) -> dict[str, Any]:
     """The row's table entry: its numbers when it finished, else the stage and the reason it failed."""
-    from pipeline.evaluate.bleu import paper_metric
-    from pipeline.evaluate.dev_bleu import table3_dev_bleu
+    from pipeline.decoding.bleu import paper_metric
+    from pipeline.decoding.dev_bleu_records import table3_dev_bleu
     from pipeline.train.size import num_parameters
 
     entry: dict[str, Any] = {"row": row, "params": num_parameters(cfg), "status": "done",

@@ -126,7 +126,7 @@ def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
 
 def _check_checkpoints(cfg: Config, plans: list[StagePlan]) -> None:
     """Before any training: can the train run about to start leave what `average` needs?"""
-    from pipeline.evaluate.selection import plan_check
+    from pipeline.decoding.selection import plan_check
 
     by_name = {p.stage.name: p for p in plans}
     if by_name["train"].action == "run" and by_name["average"].action != "skip":

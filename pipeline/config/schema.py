@@ -268,7 +268,7 @@ class EvalConfig(DecodeSettings):
     # for the first N short test sentences, drawn by `score` beside its report and logged to MLflow.
     attention_sentences: int = 3
     # Dev BLEU per registered checkpoint while training runs (Ray Train's asynchronous validation,
-    # pipeline/evaluate/dev_bleu.py). Operational for `train` (no key reads the eval section);
+    # pipeline/train/dev_bleu.py). Operational for `train` (no key reads the eval section);
     # the four settings below decide the numbers, so `average` keys on them when it selects by them.
     dev_bleu: bool = op(True)
     dev_bleu_sentences: int = 0  # 0 = the whole dev split; else its first N sentences

@@ -62,7 +62,7 @@ def attention_figures(model_path: str, model_config: dict[str, Any], spm_path: s
 
     from model.attention import attention_weights
     from pipeline import storage
-    from pipeline.evaluate.translate import load_model
+    from pipeline.decoding.translator import load_model
 
     sp = spm.SentencePieceProcessor(model_file=str(storage.local_copy(spm_path)))
     model = load_model(model_path, model_config)

@@ -1,8 +1,8 @@
 """``average``: the element-wise mean of N training checkpoints (§6.1: the last 5 for base).
 
-``eval.average_select`` says which N (``pipeline.evaluate.selection``): "last" (the paper's), or
+``eval.average_select`` says which N (``pipeline.decoding.selection``): "last" (the paper's), or
 "best_dev_bleu": the N kept checkpoints with the highest dev sacreBLEU. Their scores come from the
-train run's dev BLEU records (``pipeline.evaluate.dev_bleu``, made while it trained) when they
+train run's dev BLEU records (``pipeline.decoding.dev_bleu_records``, made while it trained) when they
 were made with this config's dev BLEU settings; a kept checkpoint without one (skipped, failed,
 other settings, or dev BLEU off) is scored here, in-process, and its record written beside the
 others. ``averaged.json`` lists every kept checkpoint's dev BLEU and whether it was averaged.
@@ -31,16 +31,11 @@ import torch
 from model import ModelConfig, average_checkpoints
 from pipeline import storage
 from pipeline.config import Config
-from pipeline.evaluate import dev_bleu
-from pipeline.evaluate.selection import select_best, select_last
+from pipeline.decoding import dev_bleu, dev_bleu_records
+from pipeline.decoding.selection import select_best, select_last
 from pipeline.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
-
-
-def select_checkpoints(checkpoints: list[str], average_last: int) -> list[str]:
-    """The last ``average_last`` of ``checkpoints`` (oldest first); too few is a ValueError."""
-    return select_last(checkpoints, average_last)
 
 
 def dev_scores(cfg: Config, train: dict[str, Any], checkpoints: list[str]) -> dict[str, dict[str, Any]]:
@@ -48,7 +43,7 @@ def dev_scores(cfg: Config, train: dict[str, Any], checkpoints: list[str]) -> di
     dev = train.get("dev_bleu") or {}
     run_dir = dev.get("run_dir") or storage.join(train["storage_path"], train["run_name"])
     settings = dev_bleu.DevBleuSettings.from_config(cfg)
-    known = dev_bleu.scores_for(dev_bleu.read_records(run_dir), settings)
+    known = dev_bleu_records.scores_for(dev_bleu_records.read_records(run_dir), settings)
     out = {}
     for uri in checkpoints:
         name = uri.rstrip("/").rsplit("/", 1)[-1]
@@ -74,9 +69,9 @@ def _score_here(cfg: Config, dev: dict[str, Any], run_dir: str, uri: str, name: 
         result = dev_bleu.score_checkpoint(tmp, dev["dev_dir"], dev["spm"], settings, cfg.data.tgt_lang,
                                            threads=threads, batch_tokens=cfg.eval.batch_tokens,
                                            preprocess=cfg.data.preprocess)
-    record = {"checkpoint": name, "step": dev_bleu.step_of(name), "settings": settings.to_dict(),
+    record = {"checkpoint": name, "step": dev_bleu_records.step_of(name), "settings": settings.to_dict(),
               "status": "validated", "by": "average", **result, "seconds": time.perf_counter() - t0}
-    dev_bleu.write_record(run_dir, record)
+    dev_bleu_records.write_record(run_dir, record)
     return record
 
 
@@ -106,7 +101,7 @@ def run(ctx: StageContext) -> StageResult:
         chosen = select_best(kept, {u: r["bleu_sacre"] for u, r in scores.items()}, ev.average_last)
     else:
         chosen = select_last(kept, ev.average_last)
-        known = dev_bleu.scores_for((train.get("dev_bleu") or {}).get("records", []),
+        known = dev_bleu_records.scores_for((train.get("dev_bleu") or {}).get("records", []),
                                     dev_bleu.DevBleuSettings.from_config(ctx.cfg))
         scores = {u: known[n] for u in kept if (n := u.rstrip("/").rsplit("/", 1)[-1]) in known}
     metas = [_meta(uri) for uri in chosen]

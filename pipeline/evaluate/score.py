@@ -3,7 +3,7 @@
 Per split (``eval.splits``): sacreBLEU (``bleu_sacre``, with its signature: the comparable
 number), the paper's tokenized BLEU (German: with compound splitting, ``bleu_tok_cs``, the number
 to set beside 27.3, t2t's get_ende_bleu.sh; other targets: ``bleu_tok``, Moses + multi-bleu, the
-EN-FR number beside 38.1; see ``pipeline.evaluate.bleu``) and chrF.
+EN-FR number beside 38.1; see ``pipeline.decoding.bleu``) and chrF (``pipeline.decoding.scoring.score_split``).
 References are the ``tgt`` column of the encoded split (the raw text, never filtered for the
 test set), in ``idx`` order, the order ``translate`` wrote its lines in.
 
@@ -18,69 +18,17 @@ import json
 import logging
 from typing import Any
 
-from model import size_name
 from pipeline import storage
-from pipeline.config import Config
-from pipeline.evaluate import bleu, dev_bleu
+from pipeline.decoding.batching import read_split
+from pipeline.decoding.dev_bleu_records import read_records
+from pipeline.decoding.scoring import score_split, setup_of
 from pipeline.stage import StageContext, StageResult
-from pipeline.evaluate.translate import read_split
 
 log = logging.getLogger(__name__)
 
 
+# The paper's training compute for Table 2's rows (the sizes: pipeline.decoding.scoring).
 _PAPER_COMPUTE = {"base": "12 h on 8 P100 = 96 GPU-hours", "big": "3.5 days on 8 P100 = 672 GPU-hours"}  # §5.2
-# Published rows on data other than WMT14, by (source, pair, preprocess): (label, size, test set, BLEU).
-# Multi30k: LividWo/Revisit-MMT README-baseline.md + evaluate.sh (fairseq generate.py, beam 5, the last
-# 10 epoch checkpoints averaged): "BLEU4 = 41.02, 71.0/47.5/34.3/24.5 (BP=0.999 ...)" on test_2016_flickr.
-PUBLISHED = {("multi30k", "en-de", "lowercase_moses"): [
-    ("Wu et al. 2021, fairseq transformer_tiny (4+4 layers, d_model 128, d_ff 256, 4 heads), beam 5, "
-     "last 10 averaged", "tiny", "test_2016_flickr", 41.02)]}
-
-
-def score_split(hyps: list[str], refs: list[str], tgt_lang: str = "de", preprocess: str = "none",
-                raw_refs: list[str] | None = None) -> dict[str, Any]:
-    """All three metrics with their signatures and details (pure). The tokenized BLEU is keyed
-    ``bleu_tok_cs`` (German, compound split) or ``bleu_tok`` (other targets).
-
-    With a benchmark's preprocessing (``preprocess`` != "none": hypotheses and ``refs`` are the
-    benchmark's lowercased tokenized text) it is ``bleu_tok_lc``, the benchmark's own BLEU on that
-    text, and sacreBLEU/chrF score the Moses-detokenized hypotheses against ``raw_refs`` (the raw,
-    cased reference; without them, against the detokenized ``refs``: ``bleu_sacre_reference`` says
-    which)."""
-    key = bleu.paper_metric(tgt_lang, preprocess)
-    if preprocess == "none":
-        sacre_hyps, sacre_refs, against = hyps, refs, "raw"
-        tok = bleu.tokenized_bleu(hyps, refs, tgt_lang, compound_split=key == "bleu_tok_cs")
-    else:
-        tok = bleu.benchmark_bleu(hyps, refs)
-        sacre_hyps = [bleu.moses_detokenize(h, tgt_lang) for h in hyps]
-        if raw_refs is not None:
-            sacre_refs, against = list(raw_refs), "raw"
-        else:
-            sacre_refs, against = [bleu.moses_detokenize(r, tgt_lang) for r in refs], f"{preprocess}, detokenized"
-    sacre, cf = bleu.sacre_bleu(sacre_hyps, sacre_refs), bleu.chrf(sacre_hyps, sacre_refs)
-    return {"bleu_sacre": sacre.score, "sacrebleu_signature": sacre.signature, "bleu_sacre_detail": sacre.detail,
-            "bleu_sacre_reference": against,
-            key: tok.score, f"{key}_signature": tok.signature, f"{key}_detail": tok.detail,
-            "chrf": cf.score, "chrf_signature": cf.signature, "num_sentences": len(hyps)}
-
-
-def setup_of(cfg: Config) -> dict[str, Any]:
-    """What the report says the run is: language pair, test/dev set names, the published rows
-    (Table 2 for WMT14; the anchor for a benchmark such as Multi30k) as (label, size, set, value)."""
-    d, m = cfg.data, cfg.model
-    pair = f"{d.src_lang}-{d.tgt_lang}"
-    size = size_name(m)  # Table 2's rows (base, big) and the Multi30k anchor's tiny: model.SIZES
-    sets = {"wmt14": {"test": "newstest2014 (full)", "dev": "newstest2013"},
-            "multi30k": {"test": "Multi30k test_2016_flickr", "dev": "Multi30k val"}}.get(
-        d.source, {"test": f"custom test set ({d.test_src})", "dev": f"custom dev set ({d.dev_src})"})
-    if d.source == "wmt14":  # Table 2 reports EN->DE and EN->FR only; other directions get no row.
-        paper = [(f"paper, Transformer {name} (Table 2)", name, "newstest2014", value)
-                 for name, value in bleu.PAPER_TABLE2.get(pair, {}).items()]
-    else:
-        paper = PUBLISHED.get((d.source, pair, d.preprocess), [])
-    return {"pair": d.pair, "tgt_lang": d.tgt_lang, "metric": bleu.paper_metric(d.tgt_lang, d.preprocess),
-            "preprocess": d.preprocess, "sets": sets, "paper": paper, "size": size}
 
 
 def read_hyps(uri: str, num_refs: int) -> list[str]:
@@ -141,7 +89,7 @@ def render_report(scores: dict[str, dict[str, Any]], facts: dict[str, dict[str, 
                 f"  - sacreBLEU `{s['sacrebleu_signature']}`: {s['bleu_sacre_detail']}",
                 f"  - chrF `{s['chrf_signature']}`",
                 f"  - tokenized BLEU: {s[key + '_detail']}"]
-    out += dev_bleu.report_lines(averaged)
+    out += dev_bleu_lines(averaged)
     out += ["", _tokenized_note(setup["tgt_lang"], cs, setup.get("preprocess", "none")), ""]
     return "\n".join(out)
 
@@ -184,6 +132,32 @@ def _compute_line(c: dict[str, Any], size: str | None) -> str:
     paper = f" (paper, {size}: {_PAPER_COMPUTE[size]}, §5.2)" if size in _PAPER_COMPUTE else ""
     return (f"- training compute: {c['wall_s'] / 3600:.2f} h of training loop on {c.get('num_workers')} "
             f"{c.get('device')} worker(s), {c.get('gpu_hours', 0.0):.1f} GPU-hours{paper}")
+
+
+def dev_bleu_lines(averaged: list[str]) -> list[str]:
+    """Markdown for score's report: every checkpoint's dev BLEU during training (from the records
+    beside the averaged checkpoints) and which were averaged; [] when there are none."""
+    if not averaged:
+        return []
+    run_dir = averaged[0].rstrip("/").rsplit("/", 1)[0]
+    records = read_records(run_dir)
+    if not records:
+        return []
+    picked = {u.rstrip("/").rsplit("/", 1)[-1] for u in averaged}
+    out = ["", "## Dev BLEU per checkpoint (during training)", "",
+           "| step | dev sacreBLEU | dev chrF | status | engine | averaged |", "|---|---|---|---|---|---|"]
+    for r in records:
+        ok = r.get("status") == "validated"
+        out.append(f"| {r.get('step')} | {r['bleu_sacre']:.2f} | {r['chrf']:.2f} |" if ok
+                   else f"| {r.get('step')} | - | - |")
+        out[-1] += f" {r.get('status')} | {r.get('engine', '-')} | {'yes' if r.get('checkpoint') in picked else ''} |"
+    s = next((r["settings"] for r in reversed(records) if r.get("settings")), {})
+    sentences = s.get("sentences") or "all"
+    out += ["", f"Dev BLEU settings: {sentences} dev sentences, beam {s.get('beam_size')}, alpha {s.get('alpha')}, "
+            f"max length {s.get('max_len_a')} * source + {s.get('max_len_b')}, engine {s.get('engine')} "
+            f"({s.get('quantization')} for CTranslate2); `skipped` = a newer checkpoint was already "
+            "registered when its turn came (Ray runs one validation at a time)."]
+    return out
 
 
 def raw_references(ctx: StageContext, split: str, num_refs: int) -> list[str] | None:

@@ -123,12 +123,12 @@ class Translation:
 
     def __init__(self, settings: dict[str, Any]):
         from model import max_source_len
-        from pipeline.evaluate import translate
+        from pipeline.decoding import translator
 
         self.s = ServeSettings(**settings)
         files = find_files(self.s)
         kwargs = translator_kwargs(self.s, files)
-        self.tr = translate.Translator(**kwargs)
+        self.tr = translator.Translator(**kwargs)
         self.max_source_len = max_source_len(self.tr.cfg.max_positions, self.s.max_len_a, self.s.max_len_b)
         self.info = {"backend": self.s.backend, "model": kwargs["ct2_model"] or kwargs["model_path"],
                      "origin": files.origin, **dataclasses.asdict(DecodeSettings.of(self.s)),

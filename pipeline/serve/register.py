@@ -31,7 +31,7 @@ from typing import Any
 
 from pipeline import registry, storage
 from pipeline.config import DecodeSettings
-from pipeline.evaluate.score import setup_of
+from pipeline.decoding.scoring import setup_of
 from pipeline.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ Where the values come from:
 - "val_loss": the loop's own dev loss every ``train.eval_interval_steps`` (rank 0's
   `Progress.history_val`, kept in every checkpoint);
 - "dev_bleu": each checkpoint's dev sacreBLEU, computed by Ray Train's asynchronous validation
-  task (pipeline/evaluate/dev_bleu.py) and read back from its per-checkpoint records, which rank 0
+  task (pipeline/train/dev_bleu_task.py) and read back from its per-checkpoint records, which rank 0
   polls on log steps. A value is seen only when its task has finished, so the stop comes some
   steps after the checkpoint that decided it; checkpoints skipped by the backlog are no validations.
 
@@ -93,7 +93,7 @@ class DevBleuRecords:
     def new_values(self, up_to: int) -> list[tuple[int, float]]:
         """(step, dev sacreBLEU) of the records of steps <= `up_to` not returned before (a record
         of a later step, possible only for a checkpoint this attempt has not reached, waits)."""
-        from pipeline.evaluate.dev_bleu import read_record, record_names
+        from pipeline.decoding.dev_bleu_records import read_record, record_names
 
         out = []
         for rel in record_names(self.run_dir):

@@ -30,9 +30,8 @@ import torch
 from model import ModelConfig
 from pipeline.ray_env import ensure_ray, node_cpus, worker_logging
 from pipeline import storage
-from pipeline.evaluate import dev_bleu
-from pipeline.evaluate.selection import kept_shortfall
-from pipeline.train import batching
+from pipeline.decoding.selection import kept_shortfall
+from pipeline.train import batching, dev_bleu
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train import elastic, preemption
 from pipeline.config import Config
@@ -167,7 +166,7 @@ def cpus_per_worker(cfg: Config, use_gpu: bool) -> int:
 
 def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str, validation: Any = None) -> Any:
     """Run (or resume) the Ray Train run `run_name`; the `Result`. `validation`: a Ray Train
-    ``ValidationConfig`` (dev BLEU per checkpoint, pipeline/evaluate/dev_bleu.py) or None."""
+    ``ValidationConfig`` (dev BLEU per checkpoint, pipeline/train/dev_bleu.py) or None."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer

@@ -19,7 +19,7 @@ def tiny_export(tiny_model, tmp_path_factory) -> dict:
     """The tiny model exported: ``{"hf", "ct2_float32", "ct2_int8"}`` folders."""
     from pathlib import Path
 
-    from pipeline.serve.export import export_all
+    from pipeline.decoding.conversion import export_all
 
     out = tmp_path_factory.mktemp("tiny_export")
     return export_all(tiny_model["model"], tiny_model["model_config"], tiny_model["spm"], Path(out))

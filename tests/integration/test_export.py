@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from model import beam_search, greedy_search
-from pipeline.evaluate.translate import load_model, pad_batch
+from pipeline.decoding.batching import pad_batch
+from pipeline.decoding.translator import load_model
 
 # The bound on each test (pytest-timeout): the session's tiny model may be trained here first.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -34,7 +34,7 @@ def sentences(wmt14_dir) -> list[str]:
 @pytest.fixture(scope="module")
 def greedy(tiny_model, sentences) -> list[str]:
     """Our greedy search, detokenized as the server does: the reference."""
-    from pipeline.evaluate.translate import Translator
+    from pipeline.decoding.translator import Translator
 
     tr = Translator(tiny_model["model"], tiny_model["model_config"], tiny_model["spm"], {"beam_size": 1})
     return [tr.translate_ids([tr.sp.encode(s) + [tr.cfg.eos_id]])[0] for s in sentences]
@@ -116,7 +116,7 @@ def test_mlflow_models_serve_answers(sqlite_registry, sentences, greedy, tmp_pat
 
 def test_the_tracking_server_holds_versions_that_serve_can_resolve(mlflow_uri, tiny_model, tiny_export,  # noqa: F811
                                                                    tmp_path, sentences, greedy):
-    from pipeline.evaluate.translate import Translator
+    from pipeline.decoding.translator import Translator
     from pipeline.models import find_model
 
     out = register_tiny(mlflow_uri, tiny_model, tiny_export, tmp_path)

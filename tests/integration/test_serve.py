@@ -65,7 +65,7 @@ def server(tiny_model, ray_local):
 
 
 def test_good_requests_are_translated_like_the_translator_does(server, tiny_model, wmt14_dir):
-    from pipeline.evaluate.translate import Translator
+    from pipeline.decoding.translator import Translator
 
     en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:3]
     status, out = _post(f"{server}/translate", _json({"text": [en[0], "", en[1], en[2]]}))
@@ -82,7 +82,7 @@ def test_concurrent_clients_each_get_their_own_sentences_translated(server, tiny
     """Cross-talk: 16 clients at once, different sentences and counts (1-4), batched together by
     ``@serve.batch`` (max 8 sentences a batch); each answer must be its own sentences, in its order,
     translated as the Translator translates each sentence alone."""
-    from pipeline.evaluate.translate import Translator
+    from pipeline.decoding.translator import Translator
 
     en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[100:140]
     requests, i = [], 0

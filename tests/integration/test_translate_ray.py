@@ -18,6 +18,9 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
+from model import max_source_len
+from pipeline.decoding.batching import plan_split, read_split
+from pipeline.decoding.translator import Translator
 from pipeline.evaluate import score, translate
 from pipeline.config import Config
 from pipeline.stage import Manifest, StageContext
@@ -101,11 +104,11 @@ def _ctx(assets, tmp_path, num_workers: int) -> StageContext:
 def _reference_hyps(assets, ctx) -> list[str]:
     """The same planned batches decoded in a plain loop (no Ray), mapped back to source order."""
     torch.set_num_threads(1)  # as in the actors: same kernels, same numbers
-    tr = translate.Translator(str(assets["model_dir"] / "model.pt"), assets["cfg"].to_dict(), assets["spm"],
-                              {"beam_size": 2, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": MAX_LEN_B})
-    df = translate.read_split(str(assets["split_dir"]), ["idx", "src_ids"])
-    max_len = translate.max_source_len(MAX_POSITIONS, 1.0, MAX_LEN_B)
-    rows, _ = translate.plan_split("test", df, max_len, 3, ctx.cfg.eval.batch_tokens)
+    tr = Translator(str(assets["model_dir"] / "model.pt"), assets["cfg"].to_dict(), assets["spm"],
+                    {"beam_size": 2, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": MAX_LEN_B})
+    df = read_split(str(assets["split_dir"]), ["idx", "src_ids"])
+    max_len = max_source_len(MAX_POSITIONS, 1.0, MAX_LEN_B)
+    rows, _ = plan_split("test", df, max_len, 3, ctx.cfg.eval.batch_tokens)
     out = [""] * NUM_LINES
     for _, group in rows.groupby("batch_id", sort=False):
         for i, h in zip(group["idx"], tr.translate_ids([list(s) for s in group["src_ids"]])):
@@ -146,7 +149,7 @@ def test_two_workers_give_the_one_worker_hypotheses_in_source_order(assets, tmp_
 def test_cli_translates_stdin_line_by_line(assets):
     lines = [assets["src"][0], "", assets["src"][9], assets["src"][1]]
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.evaluate.translate", "--model-dir", str(assets["model_dir"]),
+        [sys.executable, "-m", "pipeline.decoding.translate", "--model-dir", str(assets["model_dir"]),
          "--spm", assets["spm"], "--beam", "2", "--max-len-b", str(MAX_LEN_B), "--device", "cpu"],
         input="\n".join(lines) + "\n", capture_output=True, text=True, cwd=REPO, timeout=120, check=True)
     out = proc.stdout.split("\n")[:-1]

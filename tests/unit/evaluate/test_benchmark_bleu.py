@@ -9,8 +9,9 @@ import pytest
 from sacrebleu.metrics import BLEU
 
 from pipeline.config import Config
-from pipeline.evaluate import bleu
-from pipeline.evaluate.score import render_report, score_split, setup_of
+from pipeline.decoding import bleu
+from pipeline.decoding.scoring import score_split, setup_of
+from pipeline.evaluate.score import render_report
 
 
 def test_hand_counted_case():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.evaluate import bleu
+from pipeline.decoding import bleu
 
 # Fixed German pairs: punctuation, quotes, a compound with hyphens, a near miss, an exact hit.
 HYPS = [

@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.evaluate import bleu, score
+from pipeline.decoding import bleu
+from pipeline.evaluate import score
 from pipeline.config import Config
 from pipeline.stage import Manifest, StageContext
 

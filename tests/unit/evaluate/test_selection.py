@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from model import Transformer
-from pipeline.config import Config, ConfigError, load_config
-from pipeline.evaluate import average, dev_bleu
-from pipeline.evaluate.selection import plan_check, select_best, step_checkpoints
+from pipeline.config import Config, ConfigError, DecodeSettings, load_config
+from pipeline.decoding import dev_bleu, dev_bleu_records
+from pipeline.decoding.selection import plan_check, select_best, step_checkpoints
+from pipeline.evaluate import average
+from pipeline.train import dev_bleu as train_dev_bleu
 from pipeline.stage import Manifest, StageContext
 from tests.unit.evaluate.test_average import TINY, _checkpoints, _load
 from workflows import reproduce_base
@@ -37,9 +39,9 @@ def _history(tmp_path, bleus: list[float], settings: dict) -> tuple[list[str], s
     for uri, b in zip(ckpts, bleus):
         name = uri.rsplit("/", 1)[-1]
         step = json.loads((tmp_path / uri / "meta.json").read_text())["step"]
-        dev_bleu.write_record(str(run_dir), {"checkpoint": name, "step": step, "status": "validated",
+        dev_bleu_records.write_record(str(run_dir), {"checkpoint": name, "step": step, "status": "validated",
                                              "settings": settings, "bleu_sacre": b, "chrf": 2 * b})
-    dev_bleu.write_record(str(run_dir), {"checkpoint": "checkpoint_gone", "step": 1, "status": "skipped",
+    dev_bleu_records.write_record(str(run_dir), {"checkpoint": "checkpoint_gone", "step": 1, "status": "skipped",
                                          "settings": settings})  # rotated away: not a candidate
     return ckpts, str(run_dir)
 
@@ -124,4 +126,16 @@ def test_bad_dev_bleu_keys_are_named():
         load_config(None, ["--eval.dev_bleu_resources=GPU"])
     with pytest.raises(ConfigError, match="eval.average_select"):
         load_config(None, ["--eval.average_select=best"])
-    assert dev_bleu.task_resources(load_config(None, ["--eval.dev_bleu_resources=GPU=1,CPU=2"]))[1:] == ("cuda", 2)
+    assert train_dev_bleu.task_resources(load_config(None, ["--eval.dev_bleu_resources=GPU=1,CPU=2"]))[1:] == ("cuda", 2)
+
+
+def test_dev_bleu_settings_hold_decode_settings_and_record_them_flat():
+    cfg = load_config(None, ["--eval.beam_size=5", "--eval.dev_bleu_beam_size=1", "--eval.alpha=0.7",
+                             "--eval.dev_bleu_sentences=300"])
+    s = dev_bleu.DevBleuSettings.from_config(cfg)
+    assert s.decode == DecodeSettings(1, 0.7, cfg.eval.max_len_a, cfg.eval.max_len_b)  # dev_bleu_beam_size wins
+    # the records' (and average's) form, as before DecodeSettings was held: flat, in this order
+    assert list(s.to_dict()) == ["sentences", "engine", "quantization", "beam_size", "alpha", "max_len_a", "max_len_b"]
+    assert s.to_dict()["sentences"] == 300 and s.to_dict()["beam_size"] == 1
+    assert dev_bleu.DevBleuSettings.from_dict(s.to_dict()) == s
+    assert dev_bleu.DevBleuSettings.from_config(load_config(None, ["--eval.beam_size=3"])).decode.beam_size == 3

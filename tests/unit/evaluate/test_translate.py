@@ -8,19 +8,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from model import max_source_len
+from pipeline.decoding import batching, translator
 from pipeline.evaluate import translate
 
 
 def test_max_source_len_leaves_room_for_the_output_budget():
     # source S + (S + 50) outputs + bos must fit 1024 positions: S <= 973.
-    assert translate.max_source_len(1024, 1.0, 50) == 973
-    assert translate.max_source_len(64, 1.0, 5) == 58
-    assert translate.max_source_len(64, 0.0, 5) == 64  # output budget independent of the source
-    assert translate.max_source_len(8, 1.0, 50) == 1  # degenerate configs still give a usable bound
+    assert max_source_len(1024, 1.0, 50) == 973
+    assert max_source_len(64, 1.0, 5) == 58
+    assert max_source_len(64, 0.0, 5) == 64  # output budget independent of the source
+    assert max_source_len(8, 1.0, 50) == 1  # degenerate configs still give a usable bound
 
 
 def test_prepare_sources_counts_empty_and_truncated():
-    sources, truncated = translate.prepare_sources([[5, 6], [], [7] * 10, [8] * 4], max_len=5, eos_id=3)
+    sources, truncated = batching.prepare_sources([[5, 6], [], [7] * 10, [8] * 4], max_len=5, eos_id=3)
     assert sources == [[5, 6, 3], None, [7, 7, 7, 7, 3], [8, 8, 8, 8, 3]]
     assert truncated == [False, False, True, False]
 
@@ -28,7 +30,7 @@ def test_prepare_sources_counts_empty_and_truncated():
 def test_plan_batches_covers_everything_once_and_respects_the_token_budget():
     rng = random.Random(0)
     lengths = [rng.randint(1, 60) for _ in range(500)]
-    batches = translate.plan_batches(lengths, batch_tokens=200)
+    batches = batching.plan_batches(lengths, batch_tokens=200)
     flat = [i for b in batches for i in b]
     assert sorted(flat) == list(range(len(lengths)))
     for b in batches:
@@ -44,7 +46,7 @@ def test_plan_batches_covers_everything_once_and_respects_the_token_budget():
 
 
 def test_plan_batches_gives_an_overlong_sentence_its_own_batch():
-    assert translate.plan_batches([3, 500, 4], batch_tokens=100) == [[1], [0, 2]]
+    assert batching.plan_batches([3, 500, 4], batch_tokens=100) == [[1], [0, 2]]
 
 
 def test_read_split_restores_idx_order_across_shards(tmp_path):
@@ -56,7 +58,7 @@ def test_read_split_restores_idx_order_across_shards(tmp_path):
         pq.write_table(pa.table({"idx": pa.array(part, pa.int64()),
                                  "src_ids": pa.array([[i + 4] * (i + 1) for i in part], pa.list_(pa.int32())),
                                  "tgt": [f"t{i}" for i in part]}), d / f"part-{shard}.parquet")
-    df = translate.read_split(str(d), ["idx", "src_ids", "tgt"])
+    df = batching.read_split(str(d), ["idx", "src_ids", "tgt"])
     assert df["idx"].tolist() == rows
     assert df["tgt"].tolist() == [f"t{i}" for i in rows]
     assert [list(x) for x in df["src_ids"]][2] == [6, 6, 6]
@@ -66,7 +68,7 @@ def test_plan_split_counts_and_keys(tmp_path):
     import pandas as pd
 
     df = pd.DataFrame({"idx": [0, 1, 2, 3], "src_ids": [[5], [], [6] * 30, [7, 8]]})
-    rows, counts = translate.plan_split("test", df, max_len=10, eos_id=3, batch_tokens=20, first_batch_id=7)
+    rows, counts = batching.plan_split("test", df, max_len=10, eos_id=3, batch_tokens=20, first_batch_id=7)
     assert counts == {"num_sentences": 4, "num_empty": 1, "num_truncated": 1, "num_batches": 2}
     assert sorted(rows["idx"]) == [0, 2, 3]
     assert set(rows["batch_id"]) == {7, 8}
@@ -84,13 +86,13 @@ def test_write_hyps_keeps_order_and_empty_lines(tmp_path):
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_pad_batch(n):
-    t = translate.pad_batch([[5, 3], [6, 7, 8, 3], [3]][:n], pad_id=0)
+    t = batching.pad_batch([[5, 3], [6, 7, 8, 3], [3]][:n], pad_id=0)
     assert t.shape == (n, 2 if n == 1 else 4)
     assert t[0].tolist()[:2] == [5, 3]
 
 
 def test_a_failing_batch_is_retried_sentence_by_sentence():
-    tr = object.__new__(translate.Translator)  # no model needed: translate_ids is stubbed
+    tr = object.__new__(translator.Translator)  # no model needed: translate_ids is stubbed
 
     def translate_ids(sources):
         if len(sources) > 1 or sources[0][0] == 13:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer, sinusoid_table
-from pipeline.serve.export import marian_config, marian_permutation, to_marian_state_dict
+from pipeline.decoding.conversion import marian_config, marian_permutation, to_marian_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,7 +67,7 @@ def test_an_untied_model_is_refused_by_name():
 
 def test_variants_marian_cannot_hold_are_named_not_exported():
     from model import ModelConfig
-    from pipeline.serve.export import unexportable
+    from pipeline.decoding.conversion import unexportable
 
     base = dict(vocab_size=100, d_model=32, d_ff=64, n_heads=4, n_encoder_layers=1, n_decoder_layers=1)
     assert unexportable(ModelConfig(**base)) is None

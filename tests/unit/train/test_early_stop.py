@@ -12,7 +12,7 @@ import torch
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.dag import BY_NAME, compute_keys
 from pipeline.evaluate.score import _early_stop_lines
-from pipeline.evaluate.selection import early_stop_check, plan_check
+from pipeline.decoding.selection import early_stop_check, plan_check
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.early_stop import EarlyStop
 from pipeline.train.loop import LocalSession, train_worker

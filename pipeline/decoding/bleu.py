@@ -59,7 +59,6 @@ _ATAT = re.compile(rb"(\S)-(\S)")
 
 # The paper's numbers (Table 2, newstest2014, tokenized BLEU; EN-DE with compound splitting).
 PAPER_TABLE2 = {"en-de": {"base": 27.3, "big": 28.4}, "en-fr": {"base": 38.1, "big": 41.8}}
-PAPER_BLEU = PAPER_TABLE2["en-de"]
 
 
 @dataclass

@@ -3,7 +3,7 @@
 ``eval.average_select``:
 - ``"last"``: the last ``eval.average_last`` kept checkpoints (§6.1: the last 5 for base).
 - ``"best_dev_bleu"``: the ``eval.average_last`` kept checkpoints with the highest dev sacreBLEU
-  (``pipeline.evaluate.dev_bleu``), averaged in step order. fairseq's ``--best-checkpoint-metric
+  (``pipeline.decoding.dev_bleu_records``), averaged in step order. fairseq's ``--best-checkpoint-metric
   bleu`` and Marian's validation BLEU pick checkpoints the same way. Ties go to the later step.
 
 ``plan_check`` runs at ``--plan`` time (``workflows/runner.py``): a config whose training cannot
