@@ -3,7 +3,9 @@ grows back when one joins, and trains the same model, step for step.
 
 Two Ray nodes on this machine, one CPU each (a head with `node_a`, a worker with `node_b`), so each
 worker of the group has a node of its own. The real `train` stage runs in a driver subprocess (its
-Ray connection never mixes with the pytest process's), tracked to the suite's MLflow server.
+Ray connection never mixes with the pytest process's), tracked to the suite's MLflow server, its
+work dir and Ray Train's checkpoints on the suite's S3 server (as on a cluster), so the resumes
+read their checkpoints back from the object store.
 A session wrapper (`tests/support/faults.py:gate`) holds the workers before a step the test names,
 so the cluster changes at known steps, with no race against the loop:
 
@@ -35,6 +37,7 @@ from pipeline.train.size import model_config_for
 from tests.support.faults import gate_env, set_gate
 from tests.support.mlflow_server import MlflowServer
 from tests.support.procs import RayHead, stop, wait_for
+from tests.support.s3 import s3, s3_module  # noqa: F401 (fixtures)
 from tests.support.synthetic import write_reverse_task
 
 # The bound on each test (pytest-timeout): a two-node cluster, a lost node, a grow-back: ~3 min, drivers waited up to 360 s each.
@@ -63,7 +66,7 @@ print("RESULT " + json.dumps({"outputs": result.outputs,
 """ % {"vocab": VOCAB}
 
 
-def config(head: RayHead, work_dir: Path, workers: str) -> list[str]:
+def config(head: RayHead, work_dir: str, workers: str) -> list[str]:
     return [f"--run.ray_address={head.address}", f"--run.work_dir={work_dir}", f"--train.num_workers={workers}",
             "--train.elastic_resize_interval_s=2", "--train.cpus_per_worker=1", "--train.use_gpu=false",
             "--train.precision=fp32", "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2",
@@ -89,18 +92,19 @@ def finish(driver: subprocess.Popen, tmp: Path, run: str, timeout_s: float = 360
     return json.loads(out.split("RESULT ", 1)[1])
 
 
-def registered_step(work_dir: Path, run: str) -> int:
+def registered_step(s3, prefix: str, run: str) -> int:
     """The step of the latest checkpoint Ray Train has registered (0 = none yet): its controller
     rewrites checkpoint_manager_snapshot.json in the run's folder at each registration."""
     try:
-        snapshot = json.loads((work_dir / "ray_train" / run / "checkpoint_manager_snapshot.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):  # not yet, or being rewritten
+        body = s3.client().get_object(Bucket=s3.bucket, Key=f"{prefix}/ray_train/{run}/checkpoint_manager_snapshot.json")
+        snapshot = json.loads(body["Body"].read())
+    except s3.client().exceptions.NoSuchKey:  # not yet
         return 0
     return max(map(int, re.findall(r"checkpoint_(\d+)", json.dumps(snapshot.get("latest_checkpoint_result")))),
                default=0)
 
 
-def reference_losses(head: RayHead, work_dir: Path, shards: Path, tmp: Path) -> list[tuple[int, float]]:
+def reference_losses(head: RayHead, work_dir: str, shards: Path, tmp: Path) -> list[tuple[int, float]]:
     """The uninterrupted reference: the same config on ONE worker, in this process (no Ray): a
     step's global batch does not depend on the world size, so neither do its losses."""
     cfg = load_config(None, config(head, work_dir, "1"))
@@ -114,7 +118,7 @@ def history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
-def test_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_model(tmp_path, monkeypatch):
+def test_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_model(s3, tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
@@ -127,7 +131,7 @@ def test_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_model
     try:
         client = MlflowClient(server.uri)
         run_id = client.create_run(client.create_experiment("elastic")).info.run_id
-        work_dir = tmp_path / "wd"
+        work_dir = s3.uri("elastic-wd")
         gate, log = tmp_path / "gate", tmp_path / "driver-elastic.log"
         set_gate(gate, 12)
         # Until Ray declares node_b dead, Ray Train first retries two workers and waits out its
@@ -135,10 +139,11 @@ def test_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_model
         driver = start_driver(tmp_path, config(head, work_dir, "1,2"), "elastic", shards, server.uri, run_id,
                               env={**gate_env(gate), "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"})
         drivers.append(driver)
-        wait_for("checkpoint 10 registered", lambda: registered_step(work_dir, "elastic") >= 10, driver, log)
+        registered = lambda: registered_step(s3, "elastic-wd", "elastic")  # noqa: E731
+        wait_for("checkpoint 10 registered", lambda: registered() >= 10, driver, log)
         stop(nodes[0], timeout_s=0)  # node_b is lost: SIGKILL to its raylet and its worker
         set_gate(gate, 22)
-        wait_for("checkpoint 20 registered (on the worker left)", lambda: registered_step(work_dir, "elastic") >= 20,
+        wait_for("checkpoint 20 registered (on the worker left)", lambda: registered() >= 20,
                  driver, log)
         nodes.append(head.add_worker(num_cpus=1, resources='{"node_b": 1}', name="worker-b2"))
         wait_for("the group grown back to 2 workers", lambda: history(client, run_id, "train/world_size")[-1:] ==

@@ -8,6 +8,11 @@ more than one checkpoint interval of work is lost.
 
 The driver runs in a subprocess so that this test's Ray connection never mixes with a Ray that
 other tests of the session started in the pytest process.
+
+Extended tier (`make test-extended`, not CI): CI's tests/integration/test_cluster_elastic.py kills
+the same node of the same two-node cluster, its work dir and checkpoints on the same S3 server, and
+checks the resume from the checkpoint registered before the kill step for step; what only this test
+adds is a fixed-size group (num_workers = 2, STRICT_SPREAD) waiting for a replacement node.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ def registered_step(s3) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(900)  # a checkpoint waited up to 240 s, then the driver up to 360 s
 def test_two_node_training_survives_losing_a_node(s3, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
