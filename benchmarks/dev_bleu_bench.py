@@ -16,7 +16,8 @@ on one work dir, dev BLEU off and on (``--force train``), each reporting the loo
 read back from MLflow.
 
     .venv/bin/python benchmarks/dev_bleu_bench.py --validation [--threads 1,2] [--beam 1]
-    .venv/bin/python benchmarks/dev_bleu_bench.py --stall --work-dir /tmp/devbleu-bench [--max-steps 300]
+    .venv/bin/python benchmarks/dev_bleu_bench.py --stall --work-dir /tmp/devbleu-bench [--max-steps 300] \
+        [--also "--eval.dev_bleu_sentences=300 --eval.dev_bleu_beam_size=0 --eval.dev_bleu_engine=ctranslate2"]
 """
 
 from __future__ import annotations
@@ -125,13 +126,15 @@ def bench_validation(args: argparse.Namespace) -> dict:
     return {"validation": rows, "mean_source_pieces": mean_src}
 
 
-def _train_run(work: Path, mirror: str, dev_bleu: bool, max_steps: int, force: bool) -> dict:
+def _train_run(work: Path, mirror: str, dev_bleu: bool, max_steps: int, force: bool,
+               overrides: list[str] | None = None) -> dict:
     from mlflow import MlflowClient
 
     from workflows import reproduce_base
 
     args = ["--config", "configs/local.toml", f"--run.work_dir={work}", f"--data.mirror={mirror}",
-            f"--train.max_steps={max_steps}", f"--eval.dev_bleu={str(dev_bleu).lower()}", "--to", "train"]
+            f"--train.max_steps={max_steps}", f"--eval.dev_bleu={str(dev_bleu).lower()}", *(overrides or []),
+            "--to", "train"]
     t0 = time.perf_counter()
     assert reproduce_base.main([*args, *(["--force", "train"] if force else [])]) == 0
     stage_s = time.perf_counter() - t0
@@ -141,12 +144,13 @@ def _train_run(work: Path, mirror: str, dev_bleu: bool, max_steps: int, force: b
                              order_by=["attributes.start_time DESC"])[0]
     hist = lambda k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, k), key=lambda m: m.step)]
     stalls, steps = hist("train/checkpoint_stall_s"), hist("train/step_time_s")
-    return {"dev_bleu": dev_bleu, "checkpoints": len(stalls), "stall_median_s": round(statistics.median(stalls), 3),
+    return {"dev_bleu": dev_bleu, "overrides": " ".join(overrides or []), "checkpoints": len(stalls), "stall_median_s": round(statistics.median(stalls), 3),
             "stall_max_s": round(max(stalls), 3), "step_time_mean_s": round(statistics.mean(steps), 4),
             "train_loop_s": round(run.data.metrics.get("train/wall_s", 0.0), 1),
             "train_stage_s": round(stage_s, 1), "dev_points": len(hist("dev/bleu_sacre")),
             "dev_bleu_last": (hist("dev/bleu_sacre") or [None])[-1],
-            "skipped": run.data.metrics.get("dev/bleu_num_skipped")}
+            "skipped": run.data.metrics.get("dev/bleu_num_skipped"),
+            "validation_s": [round(v, 1) for v in hist("dev/bleu_time_s")]}
 
 
 def bench_stall(args: argparse.Namespace) -> dict:
@@ -155,6 +159,11 @@ def bench_stall(args: argparse.Namespace) -> dict:
     work = Path(args.work_dir)
     rows = [_train_run(work, mirror, False, args.max_steps, force=False),
             _train_run(work, mirror, True, args.max_steps, force=True)]
+    if args.also:  # another dev BLEU setting beside local.toml's, e.g. an older one
+        rows.append(_train_run(work, mirror, True, args.max_steps, force=True, overrides=args.also.split()))
+    off = rows[0]["train_loop_s"]
+    for r in rows:
+        r["loop_vs_off"] = round(r["train_loop_s"] / off, 3) if off else None
     for r in rows:
         print(json.dumps(r), flush=True)
     return {"stall": rows}
@@ -169,6 +178,7 @@ def main() -> None:
     p.add_argument("--num-sentences", type=int, default=3000)
     p.add_argument("--work-dir", default="/tmp/devbleu-bench")
     p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--also", default="", help="--stall: a third run with these overrides (space-separated)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     out = {}

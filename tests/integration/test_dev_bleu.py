@@ -35,7 +35,7 @@ TRAIN = ["--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2", "--model.
          "--eval.average_last=2", f"--eval.dev_bleu_sentences={SENTENCES}", "--eval.dev_bleu_resources=CPU=0",
          # Greedy CTranslate2 in float32 decodes exactly as our search does (tests/integration/test_export.py),
          # so the translate CLI (our search) must reproduce every logged number.
-         "--eval.dev_bleu_beam_size=1", "--eval.dev_bleu_quantization=float32"]
+         "--eval.dev_bleu_beam_size=1", "--eval.dev_bleu_engine=ctranslate2", "--eval.dev_bleu_quantization=float32"]
 
 
 def _manifest(work: Path, stage: str) -> Manifest:
