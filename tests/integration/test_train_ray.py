@@ -117,7 +117,11 @@ def test_two_workers_train_checkpoint_and_log(baseline):
     assert client.get_run(run_id).data.tags["train.precision_used"] == expected
 
 
+@pytest.mark.extended
 def test_worker_failure_resumes_from_the_latest_checkpoint(ray_local, shards, baseline, tmp_path, monkeypatch):
+    """Extended tier (not CI): in CI a lost worker resumed from the latest checkpoint, each step
+    logged once and the same losses, is tests/integration/test_cluster_elastic.py; a worker dying
+    and the run ending with the uninterrupted run's weights, the next test."""
     from pipeline.tracking import RunLogger
 
     for k, v in faults.env(17, tmp_path / "failed").items():
@@ -173,9 +177,15 @@ train.run(ctx)
 """
 
 
+@pytest.mark.extended
 def test_killed_driver_resumes_from_its_checkpoint(ray_local, shards, baseline, tmp_path):
     """Driver 1 (a subprocess on the same Ray) checkpoints step 10, then a worker hangs before step
-    11 (test hook) and the driver is killed; driver 2 resumes the run from step 10."""
+    11 (test hook) and the driver is killed; driver 2 resumes the run from step 10.
+
+    Extended tier (not CI): in CI, tests/integration/test_crash_recovery.py kills the whole workflow
+    driver (kill -9) the same way after a registered checkpoint and checks the rerun resumes from it
+    with every step logged once; a resume ending with the uninterrupted run's weights is
+    test_worker_dying_mid_upload_resumes_from_the_previous_complete_checkpoint's."""
     cfg = make_config(tmp_path)
     ctx = make_context(cfg, "restart", shards)
     marker = tmp_path / "hung"
