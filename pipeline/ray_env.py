@@ -64,7 +64,14 @@ def start_local_ray(**init_kwargs: Any) -> str:
     # In local mode the workers ARE the job: at nice 15 any other process on the machine takes
     # the CPU first (1024:36 in Linux's CFS weights), and the train stage measured 0.93x a bare
     # torch loop in the same run (docs/benchmarks.md); at 0 they compete as the bare loop does.
-    system_config = {"worker_niceness": 0, **init_kwargs.pop("_system_config", {})}
+    # An idle worker above the soft limit (num_cpus workers) is killed after 1 s by default; local
+    # mode's Ray Train actors hold those places, so each dev BLEU validation (a task every checkpoint)
+    # started a fresh process and paid its imports (torch, pandas, sacrebleu: ~5 s of a 2-core
+    # laptop's CPU, more than the decoding). Idle workers live 2 minutes here (past local mode's
+    # checkpoint interval), so a validation reuses the last one's process (docs/benchmarks.md,
+    # "dev BLEU in local mode").
+    system_config = {"worker_niceness": 0, "idle_worker_killing_time_threshold_ms": 120_000,
+                     **init_kwargs.pop("_system_config", {})}
     env_vars = {"PYTHONPATH": str(_REPO), "RAY_ADDRESS": f"127.0.0.1:{port}"}
     runtime_env = dict(init_kwargs.pop("runtime_env", None) or {})
     runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
