@@ -155,3 +155,12 @@ def test_cli_translates_stdin_line_by_line(assets):
     out = proc.stdout.split("\n")[:-1]
     assert len(out) == 4 and out[1] == ""
     assert "1 empty, 1 truncated" in proc.stderr
+    # The reference: each line translated alone by the Translator (defaults alpha 0.6, max_len_a 1),
+    # its pieces cut by hand to the longest source the model takes (eos kept), as the CLI reports.
+    tr = Translator(str(assets["model_dir"] / "model.pt"), assets["cfg"].to_dict(), assets["spm"],
+                    {"beam_size": 2, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": MAX_LEN_B})
+    longest = max_source_len(MAX_POSITIONS, 1.0, MAX_LEN_B)
+    want = [tr.translate_ids([tr.sp.encode(line)[: longest - 1] + [tr.cfg.eos_id]])[0] if line else ""
+            for line in lines]
+    assert sum(len(tr.sp.encode(line)) + 1 > longest for line in lines) == 1  # the truncated one is there
+    assert out == want
