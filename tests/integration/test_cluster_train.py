@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import storage
+from tests.integration.test_cluster_elastic import registered_step  # Ray Train's snapshot, read from S3
 from tests.support.procs import RayHead, stop
 from tests.support.s3 import s3, s3_module  # noqa: F401 (fixtures)
 from tests.support.synthetic import write_reverse_task
@@ -64,22 +65,6 @@ print("RESULT " + json.dumps({
 """ % {"vocab": VOCAB}
 
 
-def registered_step(s3) -> int:
-    """The step of the latest checkpoint Ray Train has registered (0 = none yet).
-
-    Ray Train V2 rewrites `checkpoint_manager_snapshot.json` in the run's folder each time it
-    registers one; a checkpoint folder in the bucket alone is not enough (its upload ends a moment
-    before the controller records it, and a worker lost in between takes the report with it).
-    """
-    key = f"train-wd/ray_train/{RUN}/checkpoint_manager_snapshot.json"
-    try:
-        snapshot = json.loads(s3.client().get_object(Bucket=s3.bucket, Key=key)["Body"].read())
-    except s3.client().exceptions.NoSuchKey:
-        return 0
-    names = re.findall(r"checkpoint_(\d+)", json.dumps(snapshot.get("latest_checkpoint_result")))
-    return max(map(int, names), default=0)
-
-
 @pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.timeout(900)  # a checkpoint waited up to 240 s, then the driver up to 360 s
@@ -107,7 +92,7 @@ def test_two_node_training_survives_losing_a_node(s3, tmp_path, monkeypatch):
             text=True)
 
         deadline = time.time() + 240
-        while (before_kill := registered_step(s3)) == 0:
+        while (before_kill := registered_step(s3, "train-wd", RUN)) == 0:
             assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
             assert time.time() < deadline, "Ray Train registered no checkpoint in 240 s"
             time.sleep(0.3)
@@ -128,7 +113,7 @@ def test_two_node_training_survives_losing_a_node(s3, tmp_path, monkeypatch):
     assert outputs["final_step"] == MAX_STEPS
     assert outputs["checkpoints"] and all(
         c.startswith(f"s3://{s3.bucket}/train-wd/ray_train/{RUN}/checkpoint_") for c in outputs["checkpoints"])
-    assert registered_step(s3) == MAX_STEPS
+    assert registered_step(s3, "train-wd", RUN) == MAX_STEPS
     assert set(result["worker_nodes"]) == {"node_a", "node_b"}  # spread over both nodes
     assert result["num_workers_started"] >= 4  # a second worker group after the failure
 

@@ -43,6 +43,35 @@ def spec_for(shards: Path, uri: str, run_id: str, max_steps: int, work_dir: Path
                     tracking_uri=uri, run_id=run_id)
 
 
+def start_training(tmp_path: Path, server: MlflowServer, experiment: str):
+    """A run on the server and a trainer (max_steps open-ended) in a thread, past step 40:
+    (client, run_id, trainer, worker thread, the dict its result lands in)."""
+    from mlflow import MlflowClient
+
+    torch.set_num_threads(1)
+    shards = write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0)
+    client = MlflowClient(server.uri)
+    run_id = client.create_run(client.create_experiment(experiment)).info.run_id
+    trainer = Trainer(spec_for(shards, server.uri, run_id, max_steps=10**6, work_dir=tmp_path / "work"),
+                      LocalSession(tmp_path / "ck"))
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(trainer.run()), daemon=True)
+    worker.start()
+    wait_for_step(trainer, worker, 40)
+    return client, run_id, trainer, worker, result
+
+
+def assert_whole_curve(client, run_id: str, trainer: Trainer, end: int) -> list:
+    """Every logged step (2, 4, ..., end) in MLflow exactly once, with the loop's values, and no
+    point dropped; the history, by step."""
+    history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
+    assert [m.step for m in history] == list(range(2, end + 1, 2)), "every logged step exactly once, none lost"
+    expected = {int(s): loss for s, loss, _, _ in trainer.progress.history_train}
+    assert {m.step: m.value for m in history} == pytest.approx(expected, rel=1e-12)
+    assert "tracking/dropped_points" not in client.get_run(run_id).data.tags
+    return history
+
+
 def _fail_fast_mlflow(monkeypatch) -> None:
     """MLflow's client gives up on a dead server within seconds (its defaults retry for minutes)."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
@@ -51,21 +80,10 @@ def _fail_fast_mlflow(monkeypatch) -> None:
 
 
 def test_a_tracking_outage_costs_no_training_time(tmp_path, monkeypatch):
-    from mlflow import MlflowClient
-
     _fail_fast_mlflow(monkeypatch)
-    torch.set_num_threads(1)
-    shards = write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0)
     server = MlflowServer(tmp_path / "mlflow")
     try:
-        client = MlflowClient(server.uri)
-        run_id = client.create_run(client.create_experiment("outage")).info.run_id
-        trainer = Trainer(spec_for(shards, server.uri, run_id, max_steps=10**6, work_dir=tmp_path / "work"),
-                          LocalSession(tmp_path / "ck"))
-        result: dict = {}
-        worker = threading.Thread(target=lambda: result.update(trainer.run()), daemon=True)
-        worker.start()
-        wait_for_step(trainer, worker, 40)
+        client, run_id, trainer, worker, result = start_training(tmp_path, server, "outage")
         server.stop(timeout_s=0)
         down_at = trainer.progress.step
         time.sleep(OUTAGE_S)
@@ -80,11 +98,7 @@ def test_a_tracking_outage_costs_no_training_time(tmp_path, monkeypatch):
         assert result["final_step"] == end
         assert back_at - down_at > 20, "training stalled while the server was away"
 
-        history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
-        steps = [m.step for m in history]
-        assert steps == list(range(2, end + 1, 2)), "every logged step exactly once, none lost"
-        expected = {int(s): loss for s, loss, _, _ in trainer.progress.history_train}
-        assert {m.step: m.value for m in history} == pytest.approx(expected, rel=1e-12)
+        history = assert_whole_curve(client, run_id, trainer, end)
         # Time between two logged steps, by the loop's own clock (the points' timestamps):
         # while the server was down no window took longer than the usual ones.
         ts = np.array([m.timestamp for m in history], dtype=float) / 1000
@@ -94,7 +108,6 @@ def test_a_tracking_outage_costs_no_training_time(tmp_path, monkeypatch):
         usual = float(np.median(gaps))
         print(f"OUTAGE steps {down_at}->{back_at} max gap {during.max():.3f} s usual {usual:.3f} s")
         assert during.max() < 5 * usual + 1.0, (during.max(), usual)
-        assert "tracking/dropped_points" not in client.get_run(run_id).data.tags
     finally:
         server.stop()
 
@@ -113,24 +126,13 @@ def test_training_that_ends_during_an_outage_loses_no_point(tmp_path, monkeypatc
     logger waits its close timeout (shortened here), spools what it holds beside the checkpoints,
     and once the server is back the driver's `deliver_spool` (the train stage calls it after the
     workers end) delivers it: every logged step exactly once, with the loop's values."""
-    from mlflow import MlflowClient
-
     from pipeline.tracking import BufferedRunLogger, MetricSpool, deliver_spool, spool_dir_for
 
     _fail_fast_mlflow(monkeypatch)
     monkeypatch.setattr(BufferedRunLogger.close, "__defaults__", (8.0,))  # the loop's close waits 60 s
-    torch.set_num_threads(1)
-    shards = write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0)
     server = MlflowServer(tmp_path / "mlflow")
     try:
-        client = MlflowClient(server.uri)
-        run_id = client.create_run(client.create_experiment("outage-at-end")).info.run_id
-        spec = spec_for(shards, server.uri, run_id, max_steps=10**6, work_dir=tmp_path / "work")
-        trainer = Trainer(spec, LocalSession(tmp_path / "ck"))
-        result: dict = {}
-        worker = threading.Thread(target=lambda: result.update(trainer.run()), daemon=True)
-        worker.start()
-        wait_for_step(trainer, worker, 40)
+        client, run_id, trainer, worker, result = start_training(tmp_path, server, "outage-at-end")
         server.stop(timeout_s=0)
         now = trainer.progress.step
         end = now + 20 + now % 2
@@ -146,11 +148,7 @@ def test_training_that_ends_during_an_outage_loses_no_point(tmp_path, monkeypatc
         server.start()  # same port, same store
         assert deliver_spool(spool_dir, server.uri, run_id, timeout_s=60) == len(points)
 
-        history = sorted(client.get_metric_history(run_id, "train/loss"), key=lambda m: m.step)
-        assert [m.step for m in history] == list(range(2, end + 1, 2)), "every logged step exactly once"
-        expected = {int(s): loss for s, loss, _, _ in trainer.progress.history_train}
-        assert {m.step: m.value for m in history} == pytest.approx(expected, rel=1e-12)
-        assert "tracking/dropped_points" not in client.get_run(run_id).data.tags
+        assert_whole_curve(client, run_id, trainer, end)
         assert not MetricSpool(spool_dir, run_id).files(), "delivered spool files are removed"
         assert deliver_spool(spool_dir, server.uri, run_id) == 0
     finally:
