@@ -11,6 +11,7 @@ a Model Registry version answers the same; an overloaded replica answers 503 wit
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -93,8 +94,17 @@ def test_concurrent_clients_each_get_their_own_sentences_translated(server, tiny
                     {"beam_size": 2, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": MAX_LEN_B})
     alone = {s: tr.translate_ids([tr.sp.encode(s) + [3]])[0] for s in {s for r in requests for s in r}}
     assert len(set(alone.values())) > len(alone) // 2, "the tiny model's outputs should differ by input"
+    def client(sentences: list[str]) -> tuple[int, dict]:
+        """A well-behaved client: on 503 (the replica's backpressure) it waits Retry-After and retries."""
+        for _ in range(10):
+            status, answer, headers = _post(f"{server}/translate", _json({"text": sentences}), with_headers=True)
+            if status != 503:
+                break
+            time.sleep(float(headers.get("Retry-After", "1")))
+        return status, answer
+
     with ThreadPoolExecutor(len(requests)) as pool:
-        answers = list(pool.map(lambda r: _post(f"{server}/translate", _json({"text": r})), requests))
+        answers = list(pool.map(client, requests))
     assert [s for s, _ in answers] == [200] * len(requests), answers
     for sentences, (_, answer) in zip(requests, answers):
         assert answer["translations"] == [alone[s] for s in sentences], sentences
