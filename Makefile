@@ -23,9 +23,10 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -e '.[test]'
+	$(BIN)/python -m pip install "$(TORCH_SPEC)" uv
+	@# torch with pip (it reads pip's own config, e.g. a find-links folder holding a CPU wheel); the rest
+	@# with uv, which installs the ~190 packages in parallel: 18 s here instead of pip's ~2.5 min.
+	$(BIN)/uv pip install --python $(BIN)/python -e '.[test]'
 	touch $@
 
 run: install
@@ -75,7 +76,7 @@ ui: install
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath work/local/mlflow.db) --host 127.0.0.1 --port 5000
 
 bench: install
-	$(BIN)/python -m pip install -e '.[test,bench]'
+	$(BIN)/uv pip install --python $(BIN)/python -e '.[test,bench]'
 	$(BIN)/python benchmarks/model_bench.py
 	$(BIN)/python benchmarks/data_bench.py
 	$(BIN)/python benchmarks/train_bench.py
