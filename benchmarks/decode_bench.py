@@ -117,8 +117,9 @@ def ray_run(assets: dict, settings: dict, batch_tokens: int, workers: int, actor
     return time.perf_counter() - start, dict(zip(res["idx"].tolist(), res["hyp"])), float(res["cpu_s"].sum())
 
 
-ENGINES = (("ours (torch beam search, GNMT lp)", "torch", ""), ("ctranslate2 float32", "ctranslate2", "ct2_float32"),
-           ("ctranslate2 int8", "ctranslate2", "ct2_int8"))
+ENGINES = (("ours (torch beam search, GNMT lp)", "torch", ""),
+           ("ours, finished sentences kept to the batch's end", "torch-carry", ""),
+           ("ctranslate2 float32", "ctranslate2", "ct2_float32"), ("ctranslate2 int8", "ctranslate2", "ct2_int8"))
 
 
 def engine_assets(args: argparse.Namespace, root: Path) -> dict:
@@ -144,24 +145,35 @@ def compare_engines(args: argparse.Namespace) -> dict:
     this process, one thread each: sentences/s and sacreBLEU against the newstest2014 references."""
     import sacrebleu
 
+    from model.transformer import DecoderState
+
     data = Path(args.data)
-    src = (data / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:args.num_sentences]
-    refs = (data / "newstest2014.de").read_text(encoding="utf-8").splitlines()[:args.num_sentences]
-    settings = asdict(DecodeSettings(beam_size=args.beam))  # §6.1
-    results: dict = {"settings": settings, "num_sentences": len(src), "threads": 1, "engines": []}
-    torch.set_num_threads(1)
+    src_file, ref_file = Path(args.src_file or data / "newstest2014.en"), Path(args.ref_file or data / "newstest2014.de")
+    src = src_file.read_text(encoding="utf-8").splitlines()[:args.num_sentences]
+    refs = ref_file.read_text(encoding="utf-8").splitlines()[:args.num_sentences]
+    settings = asdict(DecodeSettings(beam_size=args.beam, alpha=args.alpha))  # §6.1: beam 4, alpha 0.6
+    results: dict = {"settings": settings, "num_sentences": len(src), "threads": args.threads, "engines": []}
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         assets = engine_assets(args, Path(tmp))
         results["model"] = assets["model_config"]
+        first = None
         for name, backend, folder in ENGINES:
+            carry = backend == "torch-carry"  # the search before finished sentences left the batch
             tr = translator.Translator(assets["model"], assets["model_config"], assets["spm"], settings,
-                                      num_threads=1, backend=backend, ct2_model=assets.get(folder, ""))
-            start = time.perf_counter()
-            hyps, _ = translator.translate_lines(tr, src, args.batch_tokens)
-            wall = time.perf_counter() - start
-            bleu = sacrebleu.corpus_bleu(hyps, [refs]).score
+                                      num_threads=args.threads, backend="torch" if carry else backend,
+                                      ct2_model=assets.get(folder, ""))
+            DecoderState.drops_sentences = not carry
+            try:
+                start = time.perf_counter()
+                hyps, _ = translator.translate_lines(tr, src, args.batch_tokens)
+                wall = time.perf_counter() - start
+            finally:
+                DecoderState.drops_sentences = True
+            first = hyps if first is None else first
+            bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize=args.tokenize).score
             results["engines"].append({"engine": name, "wall_s": wall, "sentences_per_s": len(src) / wall,
-                                       "bleu_sacre": bleu})
+                                       "bleu_sacre": bleu, "same_as_ours": hyps == first})
             log.info("%-34s %7.1f sentences/s  BLEU %5.2f", name, len(src) / wall, bleu)
     base = results["engines"][0]["sentences_per_s"]
     for e in results["engines"]:
@@ -189,6 +201,12 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--out", default="")
+    p.add_argument("--threads", type=int, default=1, help="--engines: torch / CTranslate2 threads")
+    p.add_argument("--alpha", type=float, default=0.6, help="--engines: length penalty")
+    p.add_argument("--src-file", default="", help="--engines: source lines (default: newstest2014.en of --data)")
+    p.add_argument("--ref-file", default="", help="--engines: reference lines (default: newstest2014.de of --data)")
+    p.add_argument("--tokenize", default="13a",
+                   help="--engines: sacreBLEU tokenizer ('none' for text already tokenized, e.g. Multi30k's)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.engines:

@@ -13,6 +13,10 @@ Both functions only use this protocol, so tests can plug in a stub with fixed ta
     optional: state.first_step_per_sentence = True means decode_step also takes prev_ids (B,) at
         step 0 (one row per sentence, copied to its beams; returns (B, V)); beam search then
         feeds the shared bos once per sentence instead of beam_size times
+    optional: state.drops_sentences = True means reorder also takes sentences (B',) long, the
+        sentences that stay (increasing; indices then name rows of theirs, in their order); beam
+        search then stops feeding a sentence once it is done instead of carrying it to the end
+        of the batch's longest one
 
 Search applies log_softmax to the logits, so a stub may return log-probabilities directly.
 Deviation: pad and bos get log-probability -inf (the paper does not describe its search)
@@ -207,6 +211,12 @@ def beam_search(model: DecodingModel, src_ids: torch.Tensor, beam_size: int = 4,
         best_score = torch.full((B,), -math.inf, device=src_ids.device)
         done = torch.zeros(B, dtype=torch.bool, device=src_ids.device)
         forced_steps = set(max_lens.tolist())
+        # A state that can drop sentences (Transformer's) stops computing the finished ones: the
+        # per-sentence tensors below then hold the live sentences only, `alive` their positions in
+        # the batch, and out_tokens / out_score the results of those already dropped.
+        drops = bool(getattr(state, "drops_sentences", False))
+        alive = torch.arange(B, device=src_ids.device)
+        out_tokens, out_score = best_tokens.clone(), best_score.clone()
         # At step 0 a sentence's k beams are the same bos: a state that allows it (Transformer's)
         # computes one row per sentence (its candidates then all come from beam 0).
         first_shared = (k > 1 and getattr(state, "first_step_per_sentence", False)
@@ -236,7 +246,20 @@ def beam_search(model: DecodingModel, src_ids: torch.Tensor, beam_size: int = 4,
             done |= (best_score >= scores[:, 0] / lp_reachable) | max_lens.le(t)
             if bool(done.all()):
                 break
-            state.reorder((new_beam + row_base).view(-1))
+            rows = new_beam + row_base  # (B, k) the rows each next row continues
+            if drops and bool(done.any()):
+                out_tokens[alive[done]], out_score[alive[done]] = best_tokens[done], best_score[done]
+                keep = (~done).nonzero()[:, 0]  # (B',)
+                alive, B = alive[keep], len(keep)
+                max_lens, lp_longest, best_tokens, best_score = (
+                    max_lens[keep], lp_longest[keep], best_tokens[keep], best_score[keep])
+                tokens, scores, new_tok, rows, done = tokens[keep], scores[keep], new_tok[keep], rows[keep], done[keep]
+                row_max_lens = max_lens.repeat_interleave(k)
+                row_base = torch.arange(B, device=src_ids.device)[:, None] * k
+                state.reorder(rows.view(-1), keep)
+            else:
+                state.reorder(rows.view(-1))
             prev = new_tok.reshape(-1)
-        hyps = _to_lists(best_tokens, cfg.eos_id, cfg.pad_id)
-        return (hyps, best_score.tolist()) if return_scores else hyps
+        out_tokens[alive], out_score[alive] = best_tokens, best_score
+        hyps = _to_lists(out_tokens, cfg.eos_id, cfg.pad_id)
+        return (hyps, out_score.tolist()) if return_scores else hyps

@@ -106,3 +106,24 @@ def test_blocked_topk_equals_topk():
     x = torch.full((2, 8000), -5.0)
     x[0, 7999], x[1, 0] = 1.0, 2.0  # winners in the remainder-free last block and the first
     assert _topk_rows(x, 10)[1][:, 0].tolist() == [7999, 0]
+
+
+def test_beam_search_dropping_finished_sentences_changes_nothing(monkeypatch):
+    """`DecoderState.reorder(indices, sentences)` shrinks every cache to the live sentences: the
+    same hypotheses and scores as carrying the finished ones to the end. The budgets differ
+    (max_len_a = 1, b = 1: 8, 5 and 3 tokens), so the sentences finish at different steps, and the
+    eos row scaled up makes some finish before their budget."""
+    model = _model(3, vocab=40)
+    with torch.no_grad():
+        model.output_proj.weight[EOS] *= 6.0  # tied with the embeddings: eos likelier after some steps
+    src = _src(40)
+    for alpha in (0.0, 0.6, 1.0):
+        dropping = beam_search(model, src, beam_size=4, alpha=alpha, max_len_a=1.0, max_len_b=1, return_scores=True)
+        with monkeypatch.context() as m:
+            m.setattr(DecoderState, "drops_sentences", False)
+            carried = beam_search(model, src, beam_size=4, alpha=alpha, max_len_a=1.0, max_len_b=1,
+                                  return_scores=True)
+        assert dropping[0] == carried[0], alpha
+        assert max(abs(a - b) for a, b in zip(dropping[1], carried[1])) < 1e-5
+        lengths = [len(h) for h in dropping[0]]
+        assert lengths[0] == 8 and lengths[1] < 5 and lengths[2] < 3, dropping[0]  # two end before their budget

@@ -40,19 +40,38 @@ class StubState:
         self.prefixes = [self.prefixes[i] for i in idx]
 
 
+class DroppingStubState(StubState):
+    """A state that lets beam search drop finished sentences (as `DecoderState` does)."""
+
+    drops_sentences = True
+
+    def reorder(self, indices: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
+        if sentences is None:
+            return super().reorder(indices)
+        kept = sentences.tolist()
+        assert kept == sorted(kept) and len(indices) == len(kept) * self.beam_size
+        k = self.beam_size
+        assert all(i // k == kept[r // k] for r, i in enumerate(indices.tolist())), "a row left its sentence"
+        self.prefixes = [self.prefixes[i] for i in indices.tolist()]
+        self.keys = [self.keys[i] for i in indices.tolist()]
+
+
 class StubModel:
     """Next-token distribution looked up by (first source token, output prefix)."""
 
     cfg = SimpleNamespace(pad_id=PAD, bos_id=BOS, eos_id=EOS)
+    state_cls = StubState
+    rows_fed = 0
 
     def encode(self, src_ids):
         return src_ids, src_ids.eq(PAD)
 
     def init_decoder_state(self, memory, src_pad_mask, beam_size, max_len):
-        return StubState([k for k in memory[:, 0].tolist() for _ in range(beam_size)], beam_size, max_len)
+        return self.state_cls([k for k in memory[:, 0].tolist() for _ in range(beam_size)], beam_size, max_len)
 
     def decode_step(self, prev_ids, state):
         assert state.step < state.max_len, "search fed more tokens than it allocated"
+        self.rows_fed += len(prev_ids)
         logits = torch.full((len(state.keys), V), -math.inf)
         for r, tok in enumerate(prev_ids.tolist()):
             if state.step > 0:
@@ -123,6 +142,25 @@ def test_batch_equals_one_at_a_time(beam_size, alpha):
     assert batched[1] == pytest.approx([h[1][0] for h in single])
     assert greedy_search(StubModel(), _src(*sentences), max_len_b=3) == \
         [greedy_search(StubModel(), _src(s), max_len_b=3)[0] for s in sentences]
+
+
+class DroppingStubModel(StubModel):
+    state_cls = DroppingStubState
+
+
+@pytest.mark.parametrize("beam_size", [1, 2, 3])
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_dropping_finished_sentences_changes_no_result_and_feeds_fewer_rows(beam_size, alpha):
+    """Sentences that finish early (keys 11, 10) leave the batch; the long one (key 12) runs on
+    alone: the same hypotheses and scores as a state that keeps every sentence to the end."""
+    sentences = [(11, 4), (12, 5), (10, 2), (11, 3), (10, 7)]
+    kept, dropped = StubModel(), DroppingStubModel()
+    full = beam_search(kept, _src(*sentences), beam_size=beam_size, alpha=alpha, max_len_b=6, return_scores=True)
+    shrunk = beam_search(dropped, _src(*sentences), beam_size=beam_size, alpha=alpha, max_len_b=6,
+                         return_scores=True)
+    assert shrunk[0] == full[0]
+    assert shrunk[1] == pytest.approx(full[1])
+    assert dropped.rows_fed < kept.rows_fed / 2, (dropped.rows_fed, kept.rows_fed)
 
 
 @pytest.mark.parametrize("a, b", [(1.0, 0), (1.0, 2), (0.5, 1), (0.0, 3), (2.0, 0), (0.7, 0)])
