@@ -31,7 +31,7 @@ import torch
 from model import ModelConfig, Transformer, size_name
 from pipeline.config import Config, ConfigError
 from pipeline.train import batching, elastic
-from pipeline.train.flops import MicroShape, count_step_flops, six_n_t
+from pipeline.train.flops import MicroShape, six_n_t, step_flops
 
 # Dense (no structured sparsity) 16-bit tensor-core peak per GPU: bf16, or fp16 on GPUs without
 # bf16 (V100, T4), from NVIDIA's datasheets. Where a datasheet prints only the sparse figure
@@ -204,7 +204,7 @@ def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarra
         lengths, lengths_source = assumed_lengths(cfg), ASSUMED_LENGTHS
     src_len, tgt_len = lengths
     steps = sample_steps(src_len, tgt_len, cfg)
-    flops = [count_step_flops(mc, step, tc.label_smoothing) for step in steps]
+    flops = [step_flops(mc, step, tc.label_smoothing) for step in steps]
     peak, peak_source = peak_for(tc.gpu_type)
     path = mfu_from or tc.mfu_from
     notes: list[str] = []

@@ -16,7 +16,8 @@ from model import ModelConfig
 from pipeline.config import ConfigError, load_config
 from pipeline.stage import Manifest
 from pipeline.train import bill
-from pipeline.train.flops import MicroShape, count_step_flops, six_n_t
+from pipeline.train import flops
+from pipeline.train.flops import MicroShape, count_step_flops, six_n_t, step_flops
 from pipeline.train.corpus import load_lengths
 from pipeline.train.stage import _log_bill
 from tests.support.synthetic import write_reverse_task
@@ -48,6 +49,39 @@ def test_flop_counter_matches_the_hand_count_for_a_tiny_model():
     assert shapes[0] == MicroShape(B=2, S=6, T=5, Ms=10, Mt=8)
     assert count_step_flops(TINY, shapes) == by_formula(TINY, shapes)
     assert count_step_flops(TINY, shapes[:1]) + count_step_flops(TINY, shapes[1:]) == by_formula(TINY, shapes)
+
+
+def _random_shapes(rng: np.random.Generator, n: int) -> list[MicroShape]:
+    return [MicroShape.of(rng.integers(1, 40, size=b), rng.integers(1, 40, size=b)) for b in rng.integers(1, 9, size=n)]
+
+
+def test_step_flops_equals_the_hand_count_on_every_micro_batch():
+    """The bill's `step_flops` (the counter run on six probes, then a linear form) against the
+    hand count (`by_formula`, itself checked against the counter above) on 20 random micro-batches."""
+    shapes = _random_shapes(np.random.default_rng(1), 20)
+    assert [step_flops(TINY, [m], 0.1) for m in shapes] == [by_formula(TINY, [m]) for m in shapes]
+    assert step_flops(TINY, shapes, 0.1) == by_formula(TINY, shapes)
+
+
+def test_step_flops_equals_the_counter_for_other_head_widths_and_learned_positions():
+    mc = ModelConfig(vocab_size=70, d_model=24, d_ff=40, n_heads=3, n_encoder_layers=1, n_decoder_layers=2,
+                     d_k=4, d_v=12, positional="learned")
+    shapes = _random_shapes(np.random.default_rng(3), 3)
+    assert step_flops(mc, shapes, 0.1) == count_step_flops(mc, shapes, 0.1)
+
+
+def test_step_flops_falls_back_to_the_counter_when_the_form_does_not_hold(monkeypatch):
+    """A form missing a term (here: the cross-attention's B·T·S) fails the check on the sixth
+    probe; the figure is then the counter's own, not a wrong fit."""
+    monkeypatch.setattr(flops, "_forms", {})
+    monkeypatch.setattr(flops, "_monomials", lambda m: (m.Ms, m.Mt, m.B * m.S * m.S, m.B * m.T * m.T, m.B))
+    calls = []
+    real = flops.count_step_flops
+    monkeypatch.setattr(flops, "count_step_flops", lambda *a: calls.append(len(a[1])) or real(*a))
+    shapes = _random_shapes(np.random.default_rng(2), 2)
+    assert flops._linear_form(TINY, 0.1) is None
+    assert step_flops(TINY, shapes, 0.1) == by_formula(TINY, shapes)
+    assert calls[-1] == len(shapes)  # counted directly
 
 
 def _number(text: str, pattern: str) -> float:
