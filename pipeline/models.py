@@ -45,6 +45,8 @@ class ModelFiles:
     hf: str = ""  # the Hugging Face Marian folder, when exported
     no_ct2: str = ""  # why there is no CTranslate2 model, when there is none
     ct2_given: str = ""  # an explicit CTranslate2 folder (ct2_model=...), whatever its quantization
+    # the text the model was trained on (pipeline.decoding.text.TextFormat: data.preprocess, languages)
+    text: dict[str, str] = field(default_factory=dict)
 
     def ct2_model(self, quantization: str) -> str:
         if self.ct2_given:
@@ -80,7 +82,8 @@ def find_model(*, config: Sequence[str] = (), overrides: Sequence[str] = (), wor
 
 
 def from_model_dir(model_dir: str, spm: str) -> ModelFiles:
-    """``model.pt`` + config from an ``average`` output dir or a train checkpoint dir."""
+    """``model.pt`` + config from an ``average`` output dir or a train checkpoint dir; the text
+    format from the average stage's manifest (its resolved config) where there is one."""
     cfg_uri, meta_uri = storage.join(model_dir, "model_config.json"), storage.join(model_dir, "meta.json")
     if storage.exists(cfg_uri):
         model_config = storage.read_json(cfg_uri)
@@ -88,7 +91,12 @@ def from_model_dir(model_dir: str, spm: str) -> ModelFiles:
         model_config = storage.read_json(meta_uri)["model_config"]
     else:
         raise ModelNotFound(f"{model_dir}: neither model_config.json (average) nor meta.json (checkpoint)")
-    return ModelFiles(storage.join(model_dir, "model.pt"), model_config, spm, origin=model_dir)
+    text: dict[str, str] = {}
+    manifest_uri = storage.join(model_dir, MANIFEST)
+    if storage.exists(manifest_uri):
+        data = storage.read_json(manifest_uri).get("extra", {}).get("resolved_config", {}).get("data", {})
+        text = {k: data[k] for k in ("preprocess", "src_lang", "tgt_lang") if k in data}
+    return ModelFiles(storage.join(model_dir, "model.pt"), model_config, spm, origin=model_dir, text=text)
 
 
 def finished_stages(cfg: Any, names: Sequence[str], origin: str,
@@ -120,7 +128,9 @@ def from_config(cfg: Any, origin: str) -> ModelFiles:
     found = finished_stages(cfg, ["average"], origin)
     avg, vocab = found["average"], found["vocab"]
     files = ModelFiles(avg.outputs["model"], avg.outputs["model_config"], vocab.outputs["model"],
-                       origin=f"{origin} (average {avg.key})")
+                       origin=f"{origin} (average {avg.key})",
+                       text={"preprocess": cfg.data.preprocess, "src_lang": cfg.data.src_lang,
+                             "tgt_lang": cfg.data.tgt_lang})
     log.info("model of %s: %s", origin, avg.dir)
     try:
         export = finished_stages(cfg, ["export"], origin, found)["export"].outputs
@@ -147,7 +157,8 @@ def from_registry(model_uri: str, tracking_uri: str = "", dst: str | None = None
     if not (ours / "model.pt").exists():
         raise ModelNotFound(f"{model_uri}: not a version the register stage made (no artifacts/{registry.OURS}/model.pt)")
     ct2 = {p.name[len("ct2-"):]: str(p) for p in sorted(art.glob("ct2-*")) if p.is_dir()}  # as register wrote them
+    text = storage.read_json(str(ours / "text.json")) if (ours / "text.json").exists() else {}  # older versions: none
     return ModelFiles(str(ours / "model.pt"), storage.read_json(str(ours / "model_config.json")),
-                      str(ours / "spm.model"), origin=model_uri, ct2=ct2,
+                      str(ours / "spm.model"), origin=model_uri, ct2=ct2, text=text,
                       hf=str(art / "hf") if (art / "hf").is_dir() else "",
                       no_ct2="" if ct2 else "the version holds no CTranslate2 model")

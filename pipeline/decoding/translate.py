@@ -48,12 +48,14 @@ def main(argv: list[str] | None = None) -> None:
     except ModelNotFound as e:
         p.error(str(e))
     settings = DecodeSettings(args.beam, args.alpha, args.max_len_a, args.max_len_b)
-    tr = Translator(files.model, files.model_config, files.spm, asdict(settings), args.device)
+    tr = Translator(files.model, files.model_config, files.spm, asdict(settings), args.device, text=files.text)
     lines = sys.stdin.read().splitlines()
     hyps, counts = translate_lines(tr, lines, args.batch_tokens)
     sys.stdout.write("".join(h + "\n" for h in hyps))
-    log.info("translated %d lines (%d empty, %d truncated) with %s", len(lines), counts["num_empty"],
-             counts["num_truncated"], files.origin)
+    log.info("translated %d lines (%d empty, %d truncated) with %s%s", len(lines), counts["num_empty"],
+             counts["num_truncated"], files.origin,
+             f"; input preprocessed as the training text was ({tr.text.preprocess}), output detokenized"
+             if tr.text.preprocess != "none" else "")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from model import ModelConfig, Transformer, beam_search, max_source_len
 from pipeline import storage
 from pipeline.config import Backend, DecodeSettings
 from pipeline.decoding.batching import pad_batch, plan_batches, prepare_sources
+from pipeline.decoding.text import TextFormat
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class Translator:
 
     def __init__(self, model_path: str, model_config: ModelConfig | dict[str, Any], spm_path: str,
                  settings: dict[str, Any], device: str = "cpu", num_threads: int = 0,
-                 backend: str = "torch", ct2_model: str = ""):
+                 backend: str = "torch", ct2_model: str = "", text: dict[str, str] | None = None):
         import sentencepiece as spm
 
         if num_threads > 0 and device == "cpu":
@@ -58,6 +59,8 @@ class Translator:
         self.device = device
         self.settings = DecodeSettings.of(settings)
         self.cfg = model_config_of(model_config)
+        # the model's text (data.preprocess): translate_lines and the server apply it to user text
+        self.text = TextFormat.of(text)
         self.sp = spm.SentencePieceProcessor(model_file=str(storage.local_copy(spm_path)))
         self._specials = {self.cfg.pad_id, self.cfg.bos_id, self.cfg.eos_id}
         self.ct2 = None  # eval.backend = "ctranslate2": the export stage's model (ct2_backend.py)
@@ -113,9 +116,11 @@ class Translator:
 
 
 def translate_lines(tr: Translator, lines: Sequence[str], batch_tokens: int) -> tuple[list[str], dict[str, int]]:
-    """Plain-text lines -> hypotheses in the same order (the CLI's and the engine benchmark's loop)."""
+    """Plain-text lines -> hypotheses in the same order (the CLI's and the engine benchmark's
+    loop): a user's text, so the model's preprocessing (``tr.text``) is applied to the lines and
+    its output is given back detokenized."""
     s = tr.settings
-    sources, truncated = prepare_sources([tr.sp.encode(line) for line in lines],
+    sources, truncated = prepare_sources([tr.sp.encode(line) for line in tr.text.sources(list(lines))],
                                          max_source_len(tr.cfg.max_positions, s.max_len_a, s.max_len_b), tr.cfg.eos_id)
     hyps = [""] * len(lines)
     keep = [i for i, src in enumerate(sources) if src is not None]
@@ -123,5 +128,5 @@ def translate_lines(tr: Translator, lines: Sequence[str], batch_tokens: int) -> 
         members = [keep[m] for m in batch]
         out, _ = tr.translate_safely([sources[i] for i in members])
         for i, h in zip(members, out):
-            hyps[i] = h
+            hyps[i] = tr.text.output(h)
     return hyps, {"num_empty": len(lines) - len(keep), "num_truncated": int(sum(truncated))}

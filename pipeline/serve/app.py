@@ -11,6 +11,9 @@ lookup of the project). Each replica loads the model once (``Translator``: ours,
 exported CTranslate2 model), and sentences from concurrent requests are decoded together:
 every sentence of a request is one call of a ``@serve.batch`` method, which runs up to
 ``max_batch_size`` sentences in one beam search (waiting at most ``batch_wait_timeout_s``).
+A model trained on preprocessed text (``data.preprocess``, e.g. Multi30k's lowercased Moses tokens)
+gets each sentence preprocessed the same way, and its output back Moses-detokenized
+(``pipeline/decoding/text.py``; ``GET /health`` shows the format).
 
 Client mistakes get a 4xx whose ``detail`` names the problem (``pipeline/serve/request.py``:
 body size, UTF-8, JSON, the body's shape; here: a sentence over the model's source length in
@@ -110,7 +113,8 @@ def translator_kwargs(s: ServeSettings, files: Any) -> dict[str, Any]:
     return {"model_path": files.model, "model_config": files.model_config, "spm_path": files.spm,
             "settings": dataclasses.asdict(DecodeSettings.of(s)), "device": "cpu",
             "num_threads": max(1, int(s.num_cpus_per_replica)), "backend": s.backend,
-            "ct2_model": files.ct2_model(s.ct2_quantization) if s.backend == "ctranslate2" else ""}
+            "ct2_model": files.ct2_model(s.ct2_quantization) if s.backend == "ctranslate2" else "",
+            "text": files.text}
 
 
 api = FastAPI(title="transformer-repro translation")
@@ -131,7 +135,8 @@ class Translation:
         self.tr = translator.Translator(**kwargs)
         self.max_source_len = max_source_len(self.tr.cfg.max_positions, self.s.max_len_a, self.s.max_len_b)
         self.info = {"backend": self.s.backend, "model": kwargs["ct2_model"] or kwargs["model_path"],
-                     "origin": files.origin, **dataclasses.asdict(DecodeSettings.of(self.s)),
+                     "origin": files.origin, "text": self.tr.text.to_dict(),
+                     **dataclasses.asdict(DecodeSettings.of(self.s)),
                      "max_batch_size": self.s.max_batch_size}
         self.translate_one.set_max_batch_size(self.s.max_batch_size)
         self.translate_one.set_batch_wait_timeout_s(self.s.batch_wait_timeout_s)
@@ -148,7 +153,7 @@ class Translation:
     async def translate(self, request: Request) -> dict[str, list[str]]:
         body = await read_body(request.headers, request.stream(), self.s.max_request_bytes)
         sentences = parse_request(body, self.s.max_sentences_per_request, self.s.max_sentence_chars)
-        ids = [self.tr.sp.encode(s) for s in sentences]
+        ids = [self.tr.sp.encode(s) for s in self.tr.text.sources(sentences)]  # as the training text was
         for i, p in enumerate(ids):
             if len(p) + 1 > self.max_source_len:
                 raise HTTPException(413, f'"text"[{i}] is {len(p) + 1} pieces long (eos included); '
@@ -159,7 +164,7 @@ class Translation:
             raise HTTPException(500, "decoding failed for a sentence of this request (see the replica log)")
         translations = [""] * len(sentences)  # an empty sentence translates to ""
         for i, o in zip(real, outs):
-            translations[i] = o
+            translations[i] = self.tr.text.output(o)
         return {"translations": translations}
 
     @api.get("/health")

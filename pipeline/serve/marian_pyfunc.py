@@ -7,7 +7,10 @@ translates with the version's Hugging Face Marian folder (``artifacts/hf``: ``Ma
 decode settings the run used (``artifacts/decode.json``: beam size, alpha as HF's length
 penalty |Y|^alpha), each batch at most a * |longest source| + b tokens long (§6.1,
 ``model.search.output_budget``; ``model/`` travels with the version as its code path). It imports neither this project's pipeline nor MLflow's
-``transformers`` flavor.
+``transformers`` flavor. A model trained on preprocessed text (``artifacts/text.json``, e.g.
+Multi30k's lowercased Moses tokens) gets its input preprocessed and its output detokenized with
+sacremoses, as ``pipeline/decoding/text.py`` does for the translate CLI and the server (the pyfunc
+cannot import the pipeline: ``tests/integration/test_register.py`` checks that the two agree).
 
 Deviation: the version is a pyfunc model, not MLflow's ``transformers`` flavor, because that
 flavor builds a ``transformers.pipeline`` and transformers 5 removed the ``translation`` task
@@ -48,13 +51,34 @@ class MarianTranslation(PythonModel):
         self.model = MarianMTModel.from_pretrained(hf).eval()
         with open(context.artifacts["decode"], encoding="utf-8") as f:
             self.decode = json.load(f)
+        self.text = {}
+        if context.artifacts.get("text"):  # versions registered before it have none: plain text
+            with open(context.artifacts["text"], encoding="utf-8") as f:
+                self.text = json.load(f)
+
+    def _source(self, line: str) -> str:
+        """pipeline.decoding.text.lowercase_moses, where the training text was so preprocessed."""
+        if self.text.get("preprocess", "none") == "none":
+            return line
+        from sacremoses import MosesPunctNormalizer, MosesTokenizer
+
+        lang = self.text["src_lang"]
+        return MosesTokenizer(lang=lang).tokenize(MosesPunctNormalizer(lang=lang).normalize(line.lower()),
+                                                  escape=True, return_str=True)
+
+    def _output(self, hyp: str) -> str:
+        if self.text.get("preprocess", "none") == "none":
+            return hyp
+        from sacremoses import MosesDetokenizer
+
+        return MosesDetokenizer(lang=self.text["tgt_lang"]).detokenize(hyp.split())
 
     # No type hints here: MLflow would read them as the model's input schema (the signature says it).
     def predict(self, context, model_input, params=None):
         import torch
         from model.search import output_budget
 
-        sentences = _sentences(model_input)
+        sentences = [self._source(s) for s in _sentences(model_input)]
         out: list[str] = []
         d = self.decode
         for i in range(0, len(sentences), BATCH_SENTENCES):
@@ -64,7 +88,7 @@ class MarianTranslation(PythonModel):
             with torch.inference_mode():
                 ids = self.model.generate(**batch, num_beams=d["beam_size"], length_penalty=d["alpha"],
                                           max_new_tokens=budget + 1)  # + 1: the eos
-            out += [" ".join(t.split()) for t in self.tok.batch_decode(ids, skip_special_tokens=True)]
+            out += [self._output(" ".join(t.split())) for t in self.tok.batch_decode(ids, skip_special_tokens=True)]
         return out
 
 

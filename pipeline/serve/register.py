@@ -12,7 +12,8 @@ versions without scores or need ``score`` to write into the registry as well.
 
 The version's files (an MLflow pyfunc model, ``marian_pyfunc.py``): ``artifacts/hf`` (the export
 stage's Marian folder), ``artifacts/ours`` (model.pt, model_config.json, spm.model: what
-``serve run ... model=models:/...`` loads for our beam search), ``artifacts/ct2-float32`` and
+``serve run ... model=models:/...`` loads for our beam search; text.json, the training text's
+format, ``pipeline/decoding/text.py``), ``artifacts/ct2-float32`` and
 ``ct2-int8`` (CTranslate2), ``artifacts/decode.json`` (the run's decode settings). Tags: the stage
 keys, the test scores, the decode settings and the resolved config (JSON). The source run is the
 register stage's MLflow run (a nested run of the workflow's parent run).
@@ -32,6 +33,7 @@ from typing import Any
 from pipeline import registry, storage
 from pipeline.config import DecodeSettings
 from pipeline.decoding.scoring import setup_of
+from pipeline.decoding.text import TextFormat
 from pipeline.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
@@ -48,10 +50,11 @@ def model_name(cfg: Any) -> str:
 def _requirements() -> list[str]:
     """Pinned to what made the version (MLflow would otherwise infer them by loading the model)."""
     return [f"{p}=={metadata.version(p)}" for p in ("mlflow", "torch", "transformers", "sentencepiece",
-                                                      "ctranslate2")]
+                                                      "ctranslate2", "sacremoses")]
 
 
-def build_pyfunc(folder: Path, files: dict[str, str], model_config: dict[str, Any], decode: dict[str, Any]) -> Path:
+def build_pyfunc(folder: Path, files: dict[str, str], model_config: dict[str, Any], decode: dict[str, Any],
+                 text: dict[str, str] | None = None) -> Path:
     """The MLflow pyfunc model folder under ``folder`` (``files``: hf, model, spm, ct2-* URIs)."""
     import mlflow
     from mlflow.models import ModelSignature
@@ -62,9 +65,10 @@ def build_pyfunc(folder: Path, files: dict[str, str], model_config: dict[str, An
     shutil.copyfile(storage.local_copy(files["model"]), ours / "model.pt")
     shutil.copyfile(storage.local_copy(files["spm"]), ours / "spm.model")
     (ours / "model_config.json").write_text(json.dumps(model_config))
+    (ours / "text.json").write_text(json.dumps(text or {}))
     (folder / "decode.json").write_text(json.dumps(decode))
     artifacts = {"hf": str(storage.local_copy(files["hf"])), registry.OURS: str(ours),
-                 "decode": str(folder / "decode.json"),
+                 "decode": str(folder / "decode.json"), "text": str(ours / "text.json"),
                  **{k: str(storage.local_copy(v)) for k, v in files.items() if k.startswith("ct2-")}}
     out = folder / "model"
     strings = Schema([ColSpec("string")])
@@ -99,7 +103,8 @@ def run(ctx: StageContext) -> StageResult:
     with tempfile.TemporaryDirectory() as tmp:
         version, created = registry.register_version(
             ctx.tracker.tracking_uri, ctx.tracker.run_id, name,
-            lambda: build_pyfunc(Path(tmp), files, avg.outputs["model_config"], decode), identity, tags, description)
+            lambda: build_pyfunc(Path(tmp), files, avg.outputs["model_config"], decode,
+                                 TextFormat.of_config(ctx.cfg).to_dict()), identity, tags, description)
     uri = f"models:/{name}/{version}"
     log.info("register: %s (%s)", uri, "new version" if created else "existing version, tags updated")
     return StageResult(outputs={"registered": True, "registered_model": name, "version": str(version),

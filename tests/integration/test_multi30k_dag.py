@@ -81,3 +81,34 @@ def test_multi30k_config_end_to_end(tmp_path, multi30k_dir, capsys, monkeypatch)
         assert (score_dir / "attention" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     logged = {a.path for a in client.list_artifacts(children["score"].info.run_id, "attention")}
     assert logged == {f"attention/{n}" for n in pngs}
+
+    # The model as a user gets it (translate CLI, server, registered pyfunc): raw sentences in,
+    # preprocessed as the training text was (sacremoses, as task1-tokenize.sh), output detokenized.
+    import mlflow
+    from sacremoses import MosesDetokenizer, MosesPunctNormalizer, MosesTokenizer
+
+    from pipeline.decoding.translator import Translator, translate_lines
+    from pipeline.models import find_model
+
+    def task1_tokenize(line: str, lang: str) -> str:
+        return MosesTokenizer(lang=lang).tokenize(MosesPunctNormalizer(lang=lang).normalize(line.lower()),
+                                                  escape=True, return_str=True)
+
+    raw = ["Two Dogs are playing in the SNOW.", "A man's hat is \"red\"."]
+    files = find_model(config=["configs/multi30k-tiny.toml"],
+                       overrides=[f"--run.work_dir={work}", f"--data.mirror={multi30k_dir}", *SMALL])
+    assert files.text == {"preprocess": "lowercase_moses", "src_lang": "en", "tgt_lang": "de"}
+    tr = Translator(files.model, files.model_config, files.spm, {"beam_size": 2, "max_len_b": 10}, text=files.text)
+    hyps, _ = translate_lines(tr, raw, 4000)
+    direct = tr.translate_ids([tr.sp.encode(task1_tokenize(r, "en")) + [tr.cfg.eos_id] for r in raw])
+    assert hyps == [MosesDetokenizer(lang="de").detokenize(h.split()) for h in direct]
+
+    register = json.loads(next(work.glob("register/*/_manifest.json")).read_text())["outputs"]
+    mlflow.set_tracking_uri(f"sqlite:///{work}/mlflow.db")
+    pyfunc = mlflow.pyfunc.load_model(register["model_uri"])
+    got = pyfunc.predict(raw)
+    inner = pyfunc.unwrap_python_model()
+    assert inner.text == files.text
+    inner.text = {}  # the same model on the tokenized text, detokenized by hand
+    plain = pyfunc.predict([task1_tokenize(r, "en") for r in raw])
+    assert got == [MosesDetokenizer(lang="de").detokenize(h.split()) for h in plain]

@@ -62,6 +62,21 @@ def test_a_stage_rerun_upstream_makes_the_model_stale(tmp_path):
         find_model(config=[LOCAL], work_dir=str(tmp_path))
 
 
+def test_the_text_format_comes_with_the_model_found(tmp_path):
+    """A config's data.preprocess and languages (config lookup), the average manifest's resolved
+    config (an explicit average dir), nothing where neither is known (a bare folder)."""
+    fake_run(_cfg(tmp_path, "--data.preprocess=lowercase_moses"), _outputs("x"), to="average")
+    files = find_model(config=[LOCAL], overrides=["--data.preprocess=lowercase_moses"], work_dir=str(tmp_path))
+    assert files.text == {"preprocess": "lowercase_moses", "src_lang": "en", "tgt_lang": "de"}
+    (avg_dir,) = (tmp_path / "average").glob("*/")
+    (avg_dir / "model_config.json").write_text(json.dumps(MODEL_CONFIG))
+    assert find_model(model_dir=str(avg_dir), spm="/s.model").text == files.text
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "model_config.json").write_text(json.dumps(MODEL_CONFIG))
+    assert find_model(model_dir=str(bare), spm="/s.model").text == {}
+
+
 def test_explicit_paths_and_the_ways_to_get_it_wrong(tmp_path):
     (tmp_path / "model_config.json").write_text(json.dumps(MODEL_CONFIG))
     files = find_model(model_dir=str(tmp_path), spm="/s.model", ct2_model="/ct2")

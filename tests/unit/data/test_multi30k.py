@@ -17,7 +17,8 @@ import pytest
 from pipeline.config import Config, ConfigError, load_config
 from pipeline.data import download, sources
 from pipeline.data.fetch import ChecksumError
-from pipeline.data.preprocess import lowercase_moses, preprocess_table
+from pipeline.data.preprocess import preprocess_table
+from pipeline.decoding.text import TextFormat, lowercase_moses
 from pipeline.stage import StageContext
 from tests.support.http import serve
 
@@ -162,3 +163,17 @@ def test_preprocess_table_rewrites_both_sides_only():
     assert out.column("tgt").to_pylist() == ["ein hund .", "hallo !"]
     assert out.column("line").to_pylist() == [1, 2] and out.schema == table.schema
     assert preprocess_table(table, "none", "en", "de") is table
+
+
+def test_text_format_preprocesses_user_sentences_and_detokenizes_the_output():
+    """What the translate CLI and the server do with a user's text for a Multi30k model, against
+    sacremoses run directly; a model of plain text gets the text unchanged."""
+    from sacremoses import MosesDetokenizer
+
+    t = TextFormat("lowercase_moses", "en", "de")
+    assert t.sources(["It's a DOG.", "Two  men, \"tired\"."]) == ["it &apos;s a dog .", "two men , &quot; tired . &quot;"]  # en: the period moves inside
+    out = "ein mann &apos;s hut , &quot; rot &quot; ."
+    assert t.output(out) == MosesDetokenizer(lang="de").detokenize(out.split()) == 'ein mann \'s hut, "rot".'
+    assert TextFormat().sources(["It's"]) == ["It's"] and TextFormat().output("a &apos; .") == "a &apos; ."
+    with pytest.raises(ValueError, match="preprocess='bpe'"):
+        TextFormat("bpe")
