@@ -69,6 +69,17 @@ def test_hf_logits_equal_ours_teacher_forced(tiny_export, data):
     assert (ours - theirs)[real].abs().max().item() < 1e-4
 
 
+def _ct2_token_logprob(folder, data, hyps: list[list[int]]) -> list[float]:
+    """CTranslate2's mean log-probability per token of each hypothesis (eos included), teacher-forced."""
+    import ctranslate2
+
+    sp = data["sp"]
+    tr = ctranslate2.Translator(folder, device="cpu", inter_threads=1, intra_threads=1)
+    out = tr.score_batch([[sp.id_to_piece(t) for t in s] for s in data["src"]],
+                         [[sp.id_to_piece(t) for t in h] for h in hyps])
+    return [sum(r.log_probs) / len(r.log_probs) for r in out]
+
+
 def _ours_greedy(data) -> list[list[int]]:
     return [greedy_search(data["model"], pad_batch([s], 0), MAX_LEN_A, MAX_LEN_B)[0] for s in data["src"]]
 
@@ -109,13 +120,30 @@ def test_greedy_outputs_identical_ours_hf_ct2(tiny_export, data):
     assert ct2 == ours
     int8 = _ct2_translate(tiny_export["ct2_int8"], data, beam_size=1)
     same = sum(a == b for a, b in zip(int8, ours))
-    print(f"\ngreedy: CTranslate2 int8 equals ours on {same}/{NUM_SENTENCES} sentences (quantized weights)")
-    assert same >= NUM_SENTENCES // 5  # int8 rounding flips near-ties of a tiny model; a broken export: ~0
+    # int8 rounding flips the near-ties of a barely trained model, and how often depends on the CPU's
+    # int8 kernels (22/50 equal on an AVX512 machine, 0/50 on an AVX2 one, where the greedy paths part
+    # after a few tokens): so int8 is judged teacher-forced, on ours' hypotheses, against float32.
+    f32, q8 = (_ct2_token_logprob(tiny_export[k], data, ours) for k in ("ct2_float32", "ct2_int8"))
+    rel = sorted(abs(a - b) / abs(a) for a, b in zip(f32, q8))
+    print(f"\ngreedy: CTranslate2 int8 equals ours on {same}/{NUM_SENTENCES} sentences (quantized weights); "
+          f"mean log-prob per token of ours' outputs: float32 {sum(f32) / len(f32):.3f}, int8 {sum(q8) / len(q8):.3f}, "
+          f"median relative difference {rel[len(rel) // 2]:.3f}")
+    assert rel[len(rel) // 2] < 0.1 and abs(sum(q8) - sum(f32)) < 0.1 * abs(sum(f32))  # measured: 0.04, 4%
+
+
+def _agree_but_for_near_ties(theirs: list[list[int]], plain: list[list[int]]) -> None:
+    """Another beam-4 search at alpha 0 keeps the same beams as ours, so it gives ours' hypotheses,
+    except where two candidates tie within float noise at the pruning boundary: which one stays in
+    the beam then differs between libraries, CPUs and even runs (seen: sentence 14 of 50, 6 nats
+    apart at the end). A broken search or export disagrees on most sentences."""
+    differ = [i for i, (a, b) in enumerate(zip(theirs, plain)) if a != b]
+    assert len(differ) <= 2, differ
 
 
 def test_beam4_ours_hf_ct2_agree_and_bleu_side_by_side(tiny_export, data):
     """Beam 4: with no length penalty (alpha 0) the three searches define the same best hypothesis,
-    and ours, ``generate(num_beams=4)`` and CTranslate2 float32 give it on every sentence. With
+    and ours, ``generate(num_beams=4)`` and CTranslate2 float32 give it (all 50 on one machine; on
+    another, one sentence's near-tie at the pruning boundary went either way from run to run). With
     alpha 0.6 the penalties differ (ours GNMT's ((5 + |Y|) / 6)^alpha, theirs |Y|^alpha, and the two
     libraries count a hypothesis cut at the length limit differently: 49-50 of 50 agree), so BLEU and
     the agreement with transformers are printed side by side."""
@@ -130,8 +158,8 @@ def test_beam4_ours_hf_ct2_agree_and_bleu_side_by_side(tiny_export, data):
 
     plain = ours(0.0)
     assert len({tuple(h) for h in plain}) > NUM_SENTENCES // 2, "the tiny model's outputs should differ by input"
-    assert _hf_generate(hf, data, num_beams=4, length_penalty=0.0) == plain
-    assert _ct2_translate(tiny_export["ct2_float32"], data, 4, length_penalty=0.0) == plain
+    _agree_but_for_near_ties(_hf_generate(hf, data, num_beams=4, length_penalty=0.0), plain)
+    _agree_but_for_near_ties(_ct2_translate(tiny_export["ct2_float32"], data, 4, length_penalty=0.0), plain)
 
     hyps = {"ours (GNMT lp, alpha 0.6)": ours(0.6),
             "transformers (|Y|^0.6)": _hf_generate(hf, data, num_beams=4, length_penalty=0.6)}
