@@ -104,8 +104,12 @@ def test_multi30k_config_end_to_end(tmp_path, multi30k_dir, capsys, monkeypatch)
     assert hyps == [MosesDetokenizer(lang="de").detokenize(h.split()) for h in direct]
 
     register = json.loads(next(work.glob("register/*/_manifest.json")).read_text())["outputs"]
-    mlflow.set_tracking_uri(f"sqlite:///{work}/mlflow.db")
-    pyfunc = mlflow.pyfunc.load_model(register["model_uri"])
+    # Downloaded with an explicit tracking URI, then loaded from the folder: mlflow.set_tracking_uri
+    # would also export MLFLOW_TRACKING_URI to every later test and the drivers they start.
+    from pipeline import registry
+
+    folder = registry.download_version(register["model_uri"], f"sqlite:///{work}/mlflow.db", str(tmp_path / "version"))
+    pyfunc = mlflow.pyfunc.load_model(str(folder))
     got = pyfunc.predict(raw)
     inner = pyfunc.unwrap_python_model()
     assert inner.text == files.text
