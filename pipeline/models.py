@@ -29,6 +29,10 @@ from pipeline.stage import MANIFEST, Manifest
 log = logging.getLogger(__name__)
 
 
+# data.* keys of the text the model was trained on (pipeline.decoding.text.TextFormat's fields)
+TEXT_KEYS = ("preprocess", "src_lang", "tgt_lang")
+
+
 class ModelNotFound(ValueError):
     """The named model does not exist, or a stage that makes it has not finished: says which."""
 
@@ -95,7 +99,7 @@ def from_model_dir(model_dir: str, spm: str) -> ModelFiles:
     manifest_uri = storage.join(model_dir, MANIFEST)
     if storage.exists(manifest_uri):
         data = storage.read_json(manifest_uri).get("extra", {}).get("resolved_config", {}).get("data", {})
-        text = {k: data[k] for k in ("preprocess", "src_lang", "tgt_lang") if k in data}
+        text = {k: data[k] for k in TEXT_KEYS if k in data}
     return ModelFiles(storage.join(model_dir, "model.pt"), model_config, spm, origin=model_dir, text=text)
 
 
@@ -129,8 +133,7 @@ def from_config(cfg: Any, origin: str) -> ModelFiles:
     avg, vocab = found["average"], found["vocab"]
     files = ModelFiles(avg.outputs["model"], avg.outputs["model_config"], vocab.outputs["model"],
                        origin=f"{origin} (average {avg.key})",
-                       text={"preprocess": cfg.data.preprocess, "src_lang": cfg.data.src_lang,
-                             "tgt_lang": cfg.data.tgt_lang})
+                       text={k: getattr(cfg.data, k) for k in TEXT_KEYS})
     log.info("model of %s: %s", origin, avg.dir)
     try:
         export = finished_stages(cfg, ["export"], origin, found)["export"].outputs

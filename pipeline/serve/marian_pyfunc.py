@@ -10,7 +10,7 @@ penalty |Y|^alpha), each batch at most a * |longest source| + b tokens long (§6
 ``transformers`` flavor. A model trained on preprocessed text (``artifacts/text.json``, e.g.
 Multi30k's lowercased Moses tokens) gets its input preprocessed and its output detokenized with
 sacremoses, as ``pipeline/decoding/text.py`` does for the translate CLI and the server (the pyfunc
-cannot import the pipeline: ``tests/integration/test_register.py`` checks that the two agree).
+cannot import the pipeline: ``tests/integration/test_multi30k_dag.py`` checks it against sacremoses).
 
 Deviation: the version is a pyfunc model, not MLflow's ``transformers`` flavor, because that
 flavor builds a ``transformers.pipeline`` and transformers 5 removed the ``translation`` task
@@ -55,23 +55,23 @@ class MarianTranslation(PythonModel):
         if context.artifacts.get("text"):  # versions registered before it have none: plain text
             with open(context.artifacts["text"], encoding="utf-8") as f:
                 self.text = json.load(f)
+        self.moses = None  # (normalizer, tokenizer, detokenizer), built once where the text needs them
+        if self.text.get("preprocess", "none") != "none":
+            from sacremoses import MosesDetokenizer, MosesPunctNormalizer, MosesTokenizer
+
+            src = self.text["src_lang"]
+            self.moses = (MosesPunctNormalizer(lang=src), MosesTokenizer(lang=src),
+                          MosesDetokenizer(lang=self.text["tgt_lang"]))
 
     def _source(self, line: str) -> str:
         """pipeline.decoding.text.lowercase_moses, where the training text was so preprocessed."""
-        if self.text.get("preprocess", "none") == "none":
+        if self.moses is None:
             return line
-        from sacremoses import MosesPunctNormalizer, MosesTokenizer
-
-        lang = self.text["src_lang"]
-        return MosesTokenizer(lang=lang).tokenize(MosesPunctNormalizer(lang=lang).normalize(line.lower()),
-                                                  escape=True, return_str=True)
+        norm, tok, _ = self.moses
+        return tok.tokenize(norm.normalize(line.lower()), escape=True, return_str=True)
 
     def _output(self, hyp: str) -> str:
-        if self.text.get("preprocess", "none") == "none":
-            return hyp
-        from sacremoses import MosesDetokenizer
-
-        return MosesDetokenizer(lang=self.text["tgt_lang"]).detokenize(hyp.split())
+        return hyp if self.moses is None else self.moses[2].detokenize(hyp.split())
 
     # No type hints here: MLflow would read them as the model's input schema (the signature says it).
     def predict(self, context, model_input, params=None):

@@ -113,6 +113,6 @@ def test_multi30k_config_end_to_end(tmp_path, multi30k_dir, capsys, monkeypatch)
     got = pyfunc.predict(raw)
     inner = pyfunc.unwrap_python_model()
     assert inner.text == files.text
-    inner.text = {}  # the same model on the tokenized text, detokenized by hand
+    inner.moses = None  # the same model on the tokenized text, detokenized by hand
     plain = pyfunc.predict([task1_tokenize(r, "en") for r in raw])
     assert got == [MosesDetokenizer(lang="de").detokenize(h.split()) for h in plain]
