@@ -52,6 +52,21 @@ class DevBleuSettings:
         rest = dict(d)
         return cls(rest.pop("sentences"), rest.pop("engine"), rest.pop("quantization"), DecodeSettings.of(rest))
 
+    def key(self) -> dict[str, Any]:
+        """What decides the number: ``record_key(self.to_dict())``."""
+        return record_key(self.to_dict())
+
+
+def record_key(settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings a record was made with, less what cannot change its number: alpha, for
+    CTranslate2 at beam 1 (greedy: its length_penalty acts in beam search only; checked against
+    CTranslate2 itself in tests/integration/test_export.py). So a rerun with another ``eval.alpha``
+    reuses the greedy validations training made instead of scoring every checkpoint again.
+    Our own search at beam 1 keeps alpha: its exact stopping bound can pick a longer hypothesis."""
+    if settings.get("engine") == "ctranslate2" and settings.get("beam_size") == 1:
+        return {k: v for k, v in settings.items() if k != "alpha"}
+    return dict(settings)
+
 
 def metrics_of(result: dict[str, Any]) -> dict[str, float]:
     key = result["tok_metric"]

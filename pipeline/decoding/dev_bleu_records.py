@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from pipeline import storage
-from pipeline.decoding.dev_bleu import DevBleuSettings
+from pipeline.decoding.dev_bleu import DevBleuSettings, record_key
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +67,11 @@ def read_records(run_dir: str) -> list[dict[str, Any]]:
 
 
 def scores_for(records: list[dict[str, Any]], settings: DevBleuSettings) -> dict[str, dict[str, Any]]:
-    """checkpoint name -> its validated record made with ``settings``."""
+    """checkpoint name -> its validated record made with ``settings`` (compared by
+    ``dev_bleu.record_key``: a greedy CTranslate2 record holds for any alpha)."""
+    key = settings.key()
     return {r["checkpoint"]: r for r in records
-            if r.get("status") == "validated" and r.get("settings") == settings.to_dict()}
+            if r.get("status") == "validated" and record_key(r.get("settings") or {}) == key}
 
 
 def table3_dev_bleu(train: dict[str, Any], metric: str) -> dict[str, Any]:

@@ -118,6 +118,10 @@ def test_greedy_outputs_identical_ours_hf_ct2(tiny_export, data):
     ct2 = _ct2_translate(tiny_export["ct2_float32"], data, beam_size=1)
     assert hf == ours
     assert ct2 == ours
+    # CTranslate2's greedy search applies no length penalty (the dev BLEU records rely on it:
+    # pipeline.decoding.dev_bleu.record_key): another alpha, the same outputs.
+    assert _ct2_translate(tiny_export["ct2_float32"], data, beam_size=1, length_penalty=0.6) == ct2
+    assert _ct2_translate(tiny_export["ct2_float32"], data, beam_size=1, length_penalty=2.0) == ct2
     int8 = _ct2_translate(tiny_export["ct2_int8"], data, beam_size=1)
     same = sum(a == b for a, b in zip(int8, ours))
     # int8 rounding flips the near-ties of a barely trained model, and how often depends on the CPU's

@@ -89,6 +89,27 @@ def test_scores_made_with_other_settings_are_not_used(tmp_path):
         average.run(_ctx(tmp_path, cfg, ckpts, run_dir))
 
 
+def test_greedy_ctranslate2_scores_hold_for_any_alpha_ours_do_not(tmp_path):
+    """Training validated greedily with CTranslate2 at alpha 1.0; a rerun at alpha 0.6 reuses those
+    records (no scoring here: there is nothing to score with). With our own search at beam 1, or
+    CTranslate2 at beam 4, alpha can change the output: the records do not hold."""
+    cfg = Config()
+    cfg.eval.average_last, cfg.eval.average_select = 2, "best_dev_bleu"
+    cfg.eval.dev_bleu_engine, cfg.eval.dev_bleu_beam_size, cfg.eval.alpha = "ctranslate2", 1, 1.0
+    made = dev_bleu.DevBleuSettings.from_config(cfg).to_dict()
+    ckpts, run_dir = _history(tmp_path, [5.0, 20.0, 10.0], made)
+    cfg.eval.alpha = 0.6
+    assert average.run(_ctx(tmp_path, cfg, ckpts, run_dir)).outputs["averaged"] == [ckpts[1], ckpts[2]]
+
+    for engine, beam in (("torch", 1), ("ctranslate2", 4)):
+        cfg.eval.dev_bleu_engine, cfg.eval.dev_bleu_beam_size, cfg.eval.alpha = engine, beam, 1.0
+        made = dev_bleu.DevBleuSettings.from_config(cfg).to_dict()
+        ckpts, run_dir = _history(tmp_path / f"{engine}{beam}", [5.0, 20.0, 10.0], made)
+        cfg.eval.alpha = 0.6
+        with pytest.raises(ValueError, match="no dev BLEU with the settings"):
+            average.run(_ctx(tmp_path / f"{engine}{beam}", cfg, ckpts, run_dir))
+
+
 def test_plan_refuses_a_run_that_cannot_make_the_averaged_checkpoints(tmp_path, capsys):
     args = ["--config", "configs/local.toml", f"--run.work_dir={tmp_path}", "--train.max_steps=400",
             "--train.checkpoint_interval_steps=100", "--eval.average_last=5", "--train.keep_checkpoints=5", "--plan"]
