@@ -52,10 +52,6 @@ class DevBleuSettings:
         rest = dict(d)
         return cls(rest.pop("sentences"), rest.pop("engine"), rest.pop("quantization"), DecodeSettings.of(rest))
 
-    def key(self) -> dict[str, Any]:
-        """What decides the number: ``record_key(self.to_dict())``."""
-        return record_key(self.to_dict())
-
 
 def record_key(settings: dict[str, Any]) -> dict[str, Any]:
     """The settings a record was made with, less what cannot change its number: alpha, for
@@ -65,7 +61,7 @@ def record_key(settings: dict[str, Any]) -> dict[str, Any]:
     Our own search at beam 1 keeps alpha: its exact stopping bound can pick a longer hypothesis."""
     if settings.get("engine") == "ctranslate2" and settings.get("beam_size") == 1:
         return {k: v for k, v in settings.items() if k != "alpha"}
-    return dict(settings)
+    return settings
 
 
 def metrics_of(result: dict[str, Any]) -> dict[str, float]:

@@ -69,7 +69,7 @@ def read_records(run_dir: str) -> list[dict[str, Any]]:
 def scores_for(records: list[dict[str, Any]], settings: DevBleuSettings) -> dict[str, dict[str, Any]]:
     """checkpoint name -> its validated record made with ``settings`` (compared by
     ``dev_bleu.record_key``: a greedy CTranslate2 record holds for any alpha)."""
-    key = settings.key()
+    key = record_key(settings.to_dict())
     return {r["checkpoint"]: r for r in records
             if r.get("status") == "validated" and record_key(r.get("settings") or {}) == key}
 
