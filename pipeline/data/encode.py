@@ -111,11 +111,18 @@ def run(ctx: StageContext) -> StageResult:
         writers[split] = ShardWriter(storage.join(out_dir, split), num_shards, schema)
     tokens = {s: [0, 0] for s in SPLITS}
     data_ctx = ray.data.DataContext.get_current()
-    saved = data_ctx.execution_options.preserve_order, data_ctx.target_max_block_size
+    saved = (data_ctx.execution_options.preserve_order, data_ctx.target_max_block_size,
+             data_ctx.use_datasource_v2)
     data_ctx.execution_options.preserve_order = True  # the row sequence fixes the shards' bytes
     # Small blocks keep read, encode and the driver's writes pipelined and memory flat (with the
     # default 128 MiB a whole shard is one block: 1.6x slower and 1.3x the peak memory here).
     data_ctx.target_max_block_size = BLOCK_BYTES
+    # Ray 2.60's default Parquet reader (DataSourceV2) lists files through a pool of 32
+    # FooterReader actors (RAY_DATA_PARQUET_FOOTER_NUM_ACTORS) for every read: 32 processes, each
+    # importing ray.data (~3 s of CPU), for a few dozen shards whose footers we wrote ourselves.
+    # On a 2-core machine that was most of the stage (64 s of a test's 6,000 pairs). The V1
+    # reader reads the same files with no actors (docs/benchmarks.md, "encode").
+    data_ctx.use_datasource_v2 = False
     t0 = last = time.monotonic()
     try:
         for batch in encoded_batches(ctx, {prepared[s]["dir"]: s for s in SPLITS}, vocab["model"]):
@@ -131,7 +138,8 @@ def run(ctx: StageContext) -> StageResult:
                 done = sum(w.num_rows for w in writers.values())
                 log.info("encode: %d rows, %.0f rows/s", done, done / (last - t0))
     finally:
-        data_ctx.execution_options.preserve_order, data_ctx.target_max_block_size = saved
+        (data_ctx.execution_options.preserve_order, data_ctx.target_max_block_size,
+         data_ctx.use_datasource_v2) = saved
     splits = {}
     for split, writer in writers.items():
         writer.close()
