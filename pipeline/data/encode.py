@@ -121,7 +121,7 @@ def run(ctx: StageContext) -> StageResult:
     # FooterReader actors (RAY_DATA_PARQUET_FOOTER_NUM_ACTORS) for every read: 32 processes, each
     # importing ray.data (~3 s of CPU), for a few dozen shards whose footers we wrote ourselves.
     # On a 2-core machine that was most of the stage (64 s of a test's 6,000 pairs). The V1
-    # reader reads the same files with no actors (docs/benchmarks.md, "encode").
+    # reader reads the same files with no actors (docs/benchmarks.md, "Process start-up").
     data_ctx.use_datasource_v2 = False
     t0 = last = time.monotonic()
     try:

@@ -56,7 +56,9 @@ from pipeline.tracking import RunLogger
 
 overrides, out_dir, shards, repo, run, uri, run_id = json.loads(sys.argv[1]), *sys.argv[2:8]
 cfg = load_config(None, overrides)
-ray.init(address=cfg.run.ray_address, runtime_env={"env_vars": {"PYTHONPATH": repo}}, log_to_driver=False)
+ray.init(address=cfg.run.ray_address, log_to_driver=False,
+         runtime_env={"env_vars": {"PYTHONPATH": repo},
+                      "worker_process_setup_hook": "tests.support.faults.fast_cluster_view"})
 vocab = {"vocab_size": %(vocab)d, "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
 inputs = {"encode": Manifest("encode", "k", "", {"splits": {"train": {"dir": shards}}}),
           "vocab": Manifest("vocab", "k", "", vocab)}
@@ -125,7 +127,12 @@ def test_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_model
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     shards = write_reverse_task(tmp_path / "shards", num_rows=400, vocab_size=VOCAB, num_shards=2)
     server = MlflowServer(tmp_path / "mlflow")
-    head = RayHead(tmp_path, num_cpus=1, resources='{"node_a": 1}')
+    # The GCS declares node_b dead after health_check_failure_threshold missed checks, one every
+    # health_check_period_ms: 5 x 3 s by Ray's defaults, 5 x 1 s here (a 2 s timeout each, so a busy
+    # 2-core machine does not lose a live node); until then Ray Train retries a 2-worker group.
+    head = RayHead(tmp_path, num_cpus=1, resources='{"node_a": 1}',
+                   env={"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "2000",
+                        "RAY_health_check_failure_threshold": "5"})
     nodes = [head.add_worker(num_cpus=1, resources='{"node_b": 1}', name="worker-b")]
     drivers: list[subprocess.Popen] = []
     try:

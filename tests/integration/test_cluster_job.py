@@ -123,7 +123,8 @@ TINY = ["--config", "configs/local.toml", "--data.max_pairs_per_corpus=300", "--
         "--model.n_encoder_layers=1", "--model.n_decoder_layers=1", "--train.max_steps=10",
         "--train.warmup_steps=5", "--train.checkpoint_interval_steps=5", "--train.log_interval_steps=5",
         "--train.eval_interval_steps=10", "--train.keep_checkpoints=2", "--eval.average_last=2",
-        "--eval.beam_size=2", "--eval.max_len_a=0", "--eval.max_len_b=5", "--eval.max_sentences=20"]
+        "--eval.beam_size=2", "--eval.max_len_a=0", "--eval.max_len_b=5", "--eval.max_sentences=20",
+        "--eval.dev_bleu=false"]  # dev BLEU while training: test_dev_bleu.py, test_end_to_end.py
 
 
 @pytest.mark.slow

@@ -133,3 +133,13 @@ class GatedSession:
                 raise RuntimeError(f"gate: waited {GATE_TIMEOUT_S:g} s for the test to allow step {step} "
                                    f"(it writes the last allowed step into {self.path})")
             time.sleep(0.05)
+
+
+def fast_cluster_view() -> None:
+    """A Ray `worker_process_setup_hook` (the elastic test's driver sets it): Ray Train's elastic
+    policy reads the cluster's nodes from Ray Data's AutoscalingCoordinator actor, which refreshes
+    its view every 20 s (a class constant, no setting), so a lost node still counts, and a new one
+    does not, for up to 20 s. 2 s here; what the policy then decides is unchanged."""
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coordinator
+
+    coordinator._AutoscalingCoordinatorActor.TICK_INTERVAL_S = 2

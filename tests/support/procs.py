@@ -92,7 +92,8 @@ def _own_ports() -> list[str]:
 class RayHead:
     """`ray start --head --block` on 127.0.0.1 with its own ports and temp dir."""
 
-    def __init__(self, tmp: Path, num_cpus: int = 2, resources: str | None = None):
+    def __init__(self, tmp: Path, num_cpus: int = 2, resources: str | None = None,
+                 env: dict[str, str] | None = None):
         self.gcs_port, self.dashboard_port = free_port(), free_port()
         self.tmp = tmp
         # Its own Ray temp dir (short: socket paths have a ~107-byte limit): `ray start` records the
@@ -108,7 +109,7 @@ class RayHead:
                f"--ray-client-server-port={free_port()}"]
         if resources:
             cmd.append(f"--resources={resources}")
-        self.proc = start(cmd, tmp / "ray-head.log", env={"RAY_USAGE_STATS_ENABLED": "0"})
+        self.proc = start(cmd, tmp / "ray-head.log", env={"RAY_USAGE_STATS_ENABLED": "0", **(env or {})})
         self.address = f"127.0.0.1:{self.gcs_port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         wait_http(self.dashboard + "/api/version", proc=self.proc)

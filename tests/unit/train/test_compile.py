@@ -1,4 +1,4 @@
-"""train.compile = true on this CPU: over a few hundred real token-bucketed steps (the loop's own
+"""train.compile = true on this CPU: over 150 real token-bucketed steps (the loop's own
 plan, split and collate, source and target lengths that differ) the graphs torch.compile builds
 stay few and stop growing after the first step and the first validation; losses equal eager's.
 
@@ -58,16 +58,17 @@ def trainer(shards, tmp: Path, precision: str, backend: str | None, max_steps: i
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_graphs_stay_few_and_stop_growing_over_hundreds_of_bucketed_steps(shards, tmp_path, precision):
+def test_graphs_stay_few_and_stop_growing_over_many_bucketed_steps(shards, tmp_path, precision):
     torch._dynamo.reset()
-    tr = trainer(shards, tmp_path, precision, "aot_eager", max_steps=300, eval_every=100)
+    tr = trainer(shards, tmp_path, precision, "aot_eager", max_steps=150, eval_every=50)
     at_step: list[int] = []  # the step during which each graph was compiled
     inner = tr.compiler.inner
     tr.compiler.inner = lambda gm, inputs: at_step.append(tr.progress.step) or inner(gm, inputs)
     out = tr.run()
     assert out["compiled_graphs"] == len(at_step)
-    # the first step (training) and the first validation (after step 100) compile; nothing after
-    assert set(at_step) <= {0, 100}, at_step
+    # the first step (training) and the first validation (after step 50) compile; nothing after
+    # (150 steps of varying batch shapes, and two more validations)
+    assert set(at_step) <= {0, 50}, at_step
     assert at_step.count(0) <= 2  # the training forward (see the module docstring)
     assert out["compiled_graphs"] <= 6  # far from dynamo's recompile limit (8), past which it silently runs eager
 
