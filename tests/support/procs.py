@@ -122,7 +122,7 @@ class RayHead:
         return start(cmd, self.tmp / f"ray-{name}.log", env={"RAY_USAGE_STATS_ENABLED": "0"})
 
     def stop(self) -> None:
-        stop(self.proc)
+        stop(self.proc, timeout_s=5)  # `ray start --block` under SIGTERM can take its time shutting down in order
 
 
 def wait_for(what: str, cond, driver: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
