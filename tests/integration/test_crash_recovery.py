@@ -35,8 +35,8 @@ TOY = [
     "--train.max_tokens_per_batch=1500", "--train.checkpoint_interval_steps=8",
     "--train.eval_interval_steps=12", "--train.log_interval_steps=4", "--train.keep_checkpoints=2",
     "--eval.average_last=2",
-    # no dev BLEU task per checkpoint: what a killed driver leaves of it is test_dev_bleu.py's
-    # (a failing validation task); here the kills and the resume
+    # no dev-BLEU task per checkpoint: dev BLEU while training is test_dev_bleu.py's; here, the
+    # kills and the resume
     "--eval.dev_bleu=false",
 ]
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d"
