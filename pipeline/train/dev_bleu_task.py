@@ -33,10 +33,13 @@ def validate_checkpoint(checkpoint: Any, *, run_dir: str, dev_dir: str, spm: str
     name = Path(checkpoint.path).name
     step = step_of(name)
     newest = newest_registered_step(run_dir)
-    base = {"checkpoint": name, "step": step, "settings": settings, "started_unix": time.time()}
+    # newest_step: the newest registered checkpoint when the task started (the loop still trains
+    # while it equals `step`, unless `step` is the last).
+    base = {"checkpoint": name, "step": step, "settings": settings, "started_unix": time.time(),
+            "newest_step": newest}
     if newest > step:
         log.info("dev BLEU: skipping %s (step %d): checkpoint at step %d is newer", name, step, newest)
-        write_record(run_dir, {**base, "status": "skipped", "newer_step": newest})
+        write_record(run_dir, {**base, "status": "skipped"})
         return {}
     t0 = time.perf_counter()
     try:

@@ -69,10 +69,15 @@ def test_dev_bleu_is_logged_while_training_and_matches_the_translate_cli(work, m
     # registered skips to it. How many run while the loop still trains depends on the machine's load
     # (on a busy 2-core CI machine the first task may start only after the last step), so the test
     # asks for what always holds: the last checkpoint scored, every other one scored or skipped for a
-    # newer one, and each task that scored a checkpoint before the last started before training ended.
-    started = {r["step"]: r["started_unix"] * 1000 for r in dev["records"] if r["status"] == "validated"}
+    # newer one, and each task that scored a checkpoint before the last started while that checkpoint
+    # was the newest registered one (the loop had not yet reported its last), so before the last
+    # checkpoint's task. (Not before the last train/loss point: the loop logs it before it writes and
+    # registers the last checkpoint, and a task may start in between, as on CI once.)
+    records = {r["step"]: r for r in dev["records"]}
+    started = {s: r["started_unix"] for s, r in records.items() if r["status"] == "validated"}
     assert 200 in started and set(started) <= {40, 80, 120, 160, 200}, (started, sorted(bleu), last_loss)
-    assert all(t < last_loss.timestamp for s, t in started.items() if s < 200), (started, last_loss)
+    assert all(records[s]["newest_step"] == s and t < started[200] for s, t in started.items() if s < 200), records
+    assert all(r["newest_step"] > s for s, r in records.items() if r["status"] == "skipped"), records
     assert set(started) == set(bleu)
     assert dev["num_validated"] == len(bleu) and dev["num_failed"] == 0
     assert dev["num_validated"] + dev["num_skipped"] == 5  # every checkpoint: scored, or skipped for a newer one
