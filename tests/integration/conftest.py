@@ -1,6 +1,9 @@
-"""Integration fixtures: one tiny Transformer trained here for the export / backend / serve tests."""
+"""Integration fixtures: one tiny Transformer trained here for the export / backend / serve tests, and
+one MLflow server for the tests that track to a server."""
 
 from __future__ import annotations
+
+from typing import Iterator
 
 import pytest
 
@@ -23,3 +26,15 @@ def tiny_export(tiny_model, tmp_path_factory) -> dict:
 
     out = tmp_path_factory.mktemp("tiny_export")
     return export_all(tiny_model["model"], tiny_model["model_config"], tiny_model["spm"], Path(out))
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> Iterator[str]:
+    """One MLflow tracking server (SQLite store, served artifacts) for the session's tests that
+    track to a server and never stop it (the cluster job, the elastic run, the registry); tests of
+    an outage start their own (tests/support/mlflow_server.py). Each test uses its own experiment or
+    run names, so they never read each other's runs."""
+    from tests.support.mlflow_server import mlflow_server
+
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
+        yield uri

@@ -35,7 +35,6 @@ from pipeline.config import load_config
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
 from pipeline.train.size import model_config_for
 from tests.support.faults import gate_env, set_gate
-from tests.support.mlflow_server import MlflowServer
 from tests.support.procs import RayHead, stop, wait_for
 from tests.support.s3 import s3, s3_module  # noqa: F401 (fixtures)
 from tests.support.synthetic import write_reverse_task
@@ -120,13 +119,13 @@ def history(client, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
-def test_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_model(s3, tmp_path, monkeypatch):
+def test_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_model(s3, mlflow_uri, tmp_path,
+                                                                                 monkeypatch):
     from mlflow import MlflowClient
 
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     shards = write_reverse_task(tmp_path / "shards", num_rows=400, vocab_size=VOCAB, num_shards=2)
-    server = MlflowServer(tmp_path / "mlflow")
     # The GCS declares node_b dead after health_check_failure_threshold missed checks, one every
     # health_check_period_ms: 5 x 3 s by Ray's defaults, 5 x 1 s here (a 2 s timeout each, so a busy
     # 2-core machine does not lose a live node); until then Ray Train retries a 2-worker group.
@@ -136,14 +135,14 @@ def test_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_model
     nodes = [head.add_worker(num_cpus=1, resources='{"node_b": 1}', name="worker-b")]
     drivers: list[subprocess.Popen] = []
     try:
-        client = MlflowClient(server.uri)
+        client = MlflowClient(mlflow_uri)
         run_id = client.create_run(client.create_experiment("elastic")).info.run_id
         work_dir = s3.uri("elastic-wd")
         gate, log = tmp_path / "gate", tmp_path / "driver-elastic.log"
         set_gate(gate, 12)
         # Until Ray declares node_b dead, Ray Train first retries two workers and waits out its
         # worker-group start timeout (60 s by default; README "On spot or preemptible nodes").
-        driver = start_driver(tmp_path, config(head, work_dir, "1,2"), "elastic", shards, server.uri, run_id,
+        driver = start_driver(tmp_path, config(head, work_dir, "1,2"), "elastic", shards, mlflow_uri, run_id,
                               env={**gate_env(gate), "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"})
         drivers.append(driver)
         registered = lambda: registered_step(s3, "elastic-wd", "elastic")  # noqa: E731
@@ -195,6 +194,5 @@ def test_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_model
             if d.poll() is None:
                 d.kill()
         for n in nodes:
-            stop(n, timeout_s=5)
-        stop(head.proc, timeout_s=5)
-        server.stop()
+            stop(n, timeout_s=0)
+        head.stop()

@@ -19,8 +19,7 @@ import pytest
 from pipeline.dag import ORDER
 from pipeline.stage import MANIFEST, Stage, StageResult
 from pipeline import storage
-from tests.support.mlflow_server import mlflow_uri  # noqa: F401 (fixture)
-from tests.support.procs import BIN, RayHead, stop
+from tests.support.procs import BIN, RayHead
 from tests.support.s3 import s3_module, use_env  # noqa: F401 (fixture)
 from workflows import reproduce_base, session
 
@@ -143,7 +142,7 @@ def test_job_submit_runs_the_dag_on_s3_and_a_rerun_is_cached(cluster_env, s3_mod
         keys_after_first = s3_module.keys("dag/")
         second = submit(head, *args, "--run.name=job-rerun")
     finally:
-        stop(head.proc, timeout_s=5)
+        head.stop()
     assert first.returncode == 0, (first.stdout + first.stderr)[-5000:]
     assert second.returncode == 0, (second.stdout + second.stderr)[-5000:]
 

@@ -104,8 +104,8 @@ def test_two_node_training_survives_losing_a_node(s3, tmp_path, monkeypatch):
         if driver is not None and driver.poll() is None:
             driver.kill()
         for w in workers:
-            stop(w, timeout_s=5)
-        stop(head.proc, timeout_s=5)
+            stop(w, timeout_s=0)
+        head.stop()
     log = (tmp_path / "driver.log").read_text()
     assert driver.returncode == 0, log[-4000:]
     result = json.loads(out.split("RESULT ", 1)[1])

@@ -16,7 +16,6 @@ import urllib.request
 
 import pytest
 
-from tests.support.mlflow_server import mlflow_uri  # noqa: F401 - fixture
 from tests.support.procs import BIN, free_port, start, stop, wait_http
 from tests.support.registered import NAME, register_tiny
 
@@ -114,7 +113,7 @@ def test_mlflow_models_serve_answers(sqlite_registry, sentences, greedy, tmp_pat
     assert answer["predictions"] == greedy[:1], (tmp_path / "models-serve.log").read_text()[-3000:]
 
 
-def test_the_tracking_server_holds_versions_that_serve_can_resolve(mlflow_uri, tiny_model, tiny_export,  # noqa: F811
+def test_the_tracking_server_holds_versions_that_serve_can_resolve(mlflow_uri, tiny_model, tiny_export,
                                                                    tmp_path, sentences, greedy):
     from pipeline.decoding.translator import Translator
     from pipeline.models import find_model

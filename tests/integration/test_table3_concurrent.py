@@ -81,8 +81,8 @@ def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_di
         table = (work / "table3" / "table3.md").read_text()
         rc2 = drive(argv, "", tmp_path / "driver-2.log")
     finally:
-        stop(worker, timeout_s=5)
-        stop(head.proc, timeout_s=5)
+        stop(worker, timeout_s=0)
+        head.stop()
     log1 = (tmp_path / "driver-1.log").read_text()
     assert rc == 1, log1[-4000:]
     b1, e = first

@@ -7,7 +7,8 @@
     server.stop(); server.start()          # an outage: the store (SQLite) survives it
 
 Started on 127.0.0.1 on a free port with its own process session, stopped by process id.
-Starting it takes ~10-30 s (database migrations), so the fixture is per module.
+Starting it takes ~10-30 s (database migrations), so the tests that only need one share the
+session's (`mlflow_uri`, tests/integration/conftest.py); the outage tests start their own.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
-
-import pytest
 
 from tests.support.procs import BIN, free_port, start, stop, wait_http
 
@@ -57,9 +56,3 @@ def mlflow_server(tmp: Path) -> Iterator[str]:
     finally:
         if server is not None:
             server.stop()
-
-
-@pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory) -> Iterator[str]:
-    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:
-        yield uri

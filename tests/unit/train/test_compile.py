@@ -30,8 +30,12 @@ from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import one_thread  # noqa: F401 (fixture)
 
 VOCAB = 96
-PRECISIONS = ["fp32", pytest.param("bf16", marks=pytest.mark.skipif(not cpu_bf16_features(),
-                                                                     reason="this CPU has no native bf16"))]
+NO_BF16 = pytest.mark.skipif(not cpu_bf16_features(), reason="this CPU has no native bf16")
+# The graph count in bf16 is the extended tier's (`make test-extended`, not CI): what it re-proves is
+# the shapes' behaviour (dynamic dimensions, duck sizing off), which CI's fp32 case guards, and CI's
+# bf16 compile stays guarded by test_inductor_losses_equal_eager[bf16] (25 token-bucketed steps, at
+# most 2 graphs).
+PRECISIONS = ["fp32", pytest.param("bf16", marks=[NO_BF16, pytest.mark.extended])]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +82,7 @@ def _losses(out: dict) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision, tol", [("fp32", 1e-4), pytest.param("bf16", 2e-2, marks=PRECISIONS[1].marks)])
+@pytest.mark.parametrize("precision, tol", [("fp32", 1e-4), pytest.param("bf16", 2e-2, marks=NO_BF16)])
 def test_inductor_losses_equal_eager(shards, tmp_path, precision, tol):
     torch._dynamo.reset()
     eager = trainer(shards, tmp_path / "eager", precision, None, max_steps=25).run()
