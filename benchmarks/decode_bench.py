@@ -20,6 +20,15 @@ int8, each in this process on one thread, printing sentences/s and sacreBLEU sid
 
     .venv/bin/python benchmarks/decode_bench.py --engines [--num-sentences 300] [--config configs/local.toml]
 
+``--where`` splits the translate stage's wall time on a trained model (``--config``, its DAG
+plan's average + encode outputs; the encoded test split as the stage reads it, ``--threads`` torch
+threads): the same planned batches decoded in this process, in a plain Ray actor, and through the
+stage's own ``translate_rows`` (Ray Data), rounds alternating; for each, the time until the
+translator's constructor runs and the decoding calls' sum:
+
+    .venv/bin/python benchmarks/decode_bench.py --where --config configs/multi30k-fast.toml \
+        --config overlay.toml --threads 2 --batch-tokens 4000 --repeats 3
+
 The model is random (it never predicts eos, so every sentence decodes its full a*S+b budget:
 a steady, comparable workload); its sizes are small so that a 2-core machine finishes in a
 few minutes. Hypotheses of the plain loop and of every Ray run are checked to be identical.
@@ -30,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import tempfile
 import time
@@ -117,6 +127,101 @@ def ray_run(assets: dict, settings: dict, batch_tokens: int, workers: int, actor
     return time.perf_counter() - start, dict(zip(res["idx"].tolist(), res["hyp"])), float(res["cpu_s"].sum())
 
 
+class ClockedTranslator(translator.Translator):
+    """Adds when the constructor started (``t_init``, wall clock) and each call's start and end."""
+
+    def __init__(self, *args, **kwargs):
+        self.t_init = time.time()
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, batch):
+        t0 = time.time()
+        out = super().__call__(batch)
+        return out.assign(t_init=self.t_init, t0=t0, t1=time.time())
+
+
+def where_assets(args: argparse.Namespace) -> dict:
+    """The trained model of ``--config`` and its encoded test split, planned as the stage plans it."""
+    from pipeline.config import load_config
+    from pipeline.dag import compute_keys, read_manifest, stage_dir
+    from pipeline.models import find_model
+
+    files = find_model(config=args.config, work_dir=args.work_dir)
+    cfg = load_config(args.config, [f"--run.work_dir={args.work_dir}"] if args.work_dir else [])
+    keys = compute_keys(cfg)
+    encode = read_manifest(stage_dir(cfg, "encode", keys["encode"]), keys["encode"])
+    if encode is None:
+        raise SystemExit("--where: no encode stage output for this config (run its DAG first)")
+    df = batching.read_split(encode.outputs["splits"]["test"]["dir"], ["idx", "src_ids"])
+    mcfg = ModelConfig.from_dict(files.model_config)
+    settings = asdict(DecodeSettings.of(cfg.eval))
+    max_len = max_source_len(mcfg.max_positions, settings["max_len_a"], settings["max_len_b"])
+    rows, _ = batching.plan_split("test", df, max_len, mcfg.eos_id, args.batch_tokens)
+    kwargs = {"model_path": files.model, "model_config": files.model_config, "spm_path": files.spm,
+              "settings": settings, "device": "cpu", "num_threads": args.threads}
+    return {"rows": rows, "kwargs": kwargs, "settings": settings}
+
+
+def where_time_goes(args: argparse.Namespace) -> dict:
+    """In-process vs plain Ray actor vs the stage's Ray Data path, on the same planned batches."""
+    import ray
+
+    from pipeline.ray_env import start_local_ray
+
+    a = where_assets(args)
+    rows, kwargs = a["rows"], a["kwargs"]
+    blocks = [g.reset_index(drop=True) for _, g in rows.groupby("batch_id", sort=False)]
+
+    def in_process() -> dict:
+        start = time.time()
+        tr = ClockedTranslator(**kwargs)
+        out = [tr(b) for b in blocks]
+        return _clocked(start, out)
+
+    @ray.remote(num_cpus=1)
+    class Plain:
+        def __init__(self):
+            self.tr = ClockedTranslator(**kwargs)
+
+        def run(self):
+            return [self.tr(b) for b in blocks]
+
+    def plain_actor() -> dict:
+        start = time.time()
+        actor = Plain.remote()
+        out = ray.get(actor.run.remote())
+        ray.kill(actor)
+        return _clocked(start, out)
+
+    def ray_data() -> dict:
+        start = time.time()
+        out = translate.translate_rows(rows, kwargs, 1, {"num_cpus": 1}, ClockedTranslator)
+        return _clocked(start, [out])
+
+    start_local_ray(num_cpus=args.ray_cpus, log_to_driver=False, configure_logging=False)
+    modes = {"in process": in_process, "plain Ray actor": plain_actor, "Ray Data (translate_rows)": ray_data}
+    runs: dict = {m: [] for m in modes}
+    try:
+        for r in range(args.repeats):
+            for name, fn in modes.items():
+                runs[name].append(fn())
+                log.info("round %d, %s: %s", r, name, {k: round(v, 2) for k, v in runs[name][-1].items()})
+    finally:
+        ray.shutdown()
+    summary = {m: {k: statistics.median(x[k] for x in v) for k in v[0]} for m, v in runs.items()}
+    return {"settings": a["settings"], "num_sentences": len(rows), "num_batches": len(blocks),
+            "threads": args.threads, "runs": runs, "median": summary}
+
+
+def _clocked(start: float, outs: list) -> dict:
+    import pandas as pd
+
+    df = pd.concat(outs, ignore_index=True).groupby("batch_id").first()
+    end = time.time()
+    return {"total_s": end - start, "to_constructor_s": float(df["t_init"].min()) - start,
+            "calls_s": float((df["t1"] - df["t0"]).sum()), "after_last_call_s": end - float(df["t1"].max())}
+
+
 ENGINES = (("ours (torch beam search, GNMT lp)", "torch", ""),
            ("ours, finished sentences kept to the batch's end", "torch-carry", ""),
            ("ctranslate2 float32", "ctranslate2", "ct2_float32"), ("ctranslate2 int8", "ctranslate2", "ct2_int8"))
@@ -183,6 +288,9 @@ def compare_engines(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--where", action="store_true",
+                   help="instead: the translate stage's time on a trained model (--config), in process vs "
+                        "a plain Ray actor vs Ray Data")
     p.add_argument("--engines", action="store_true",
                    help="instead: ours vs CTranslate2 float32 / int8 (sentences/s, BLEU), same weights")
     p.add_argument("--config", action="append", default=[],
@@ -209,8 +317,8 @@ def main() -> None:
                    help="--engines: sacreBLEU tokenizer ('none' for text already tokenized, e.g. Multi30k's)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if args.engines:
-        results = compare_engines(args)
+    if args.where or args.engines:
+        results = where_time_goes(args) if args.where else compare_engines(args)
         print(json.dumps(results, indent=2))
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
