@@ -177,6 +177,12 @@ class TrainConfig:
     # step boundary if a step + a save fit in this many seconds, then the group stops and the run
     # resumes there (pipeline.train.preemption). 0 = off: SIGTERM ends the worker at once.
     preemption_grace_s: float = op(25.0)
+    # How often Ray Train's controller polls its workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 2 s by
+    # Ray's default): a started group, a reported checkpoint, a finished run and a dead worker are
+    # each noticed at the next poll, so every train stage waited several polls (0.5 s: ~5 s less per
+    # stage on a laptop, docs/benchmarks.md "Ray Train's poll interval"). An explicit
+    # RAY_TRAIN_HEALTH_CHECK_INTERVAL_S in the driver's environment wins.
+    controller_poll_s: float = op(0.5)
     # Early stopping, off by default (the paper trains a fixed train.max_steps, §5.3): stop when
     # early_stop_metric has not improved for this many validations in a row (fairseq --patience,
     # Marian --early-stopping). "dev_bleu": each checkpoint's dev sacreBLEU (eval.dev_bleu, seen
@@ -213,6 +219,7 @@ class TrainConfig:
         _check(self.cpus_per_worker >= 0, "train.cpus_per_worker", "must be >= 0 (0 = auto)")
         _check(self.checkpoint_upload_retry_s >= 0, "train.checkpoint_upload_retry_s", "must be >= 0 (0 = no retry)")
         _check(self.preemption_grace_s >= 0, "train.preemption_grace_s", "must be >= 0 (0 = off)")
+        _check(self.controller_poll_s > 0, "train.controller_poll_s", "must be > 0")
         _check(self.early_stop_patience >= 0, "train.early_stop_patience", "must be >= 0 (0 = off)")
         _check(0.0 < self.assumed_mfu <= 1.0, "train.assumed_mfu", "must be in (0, 1] (0.3 = 30%)")
 

@@ -124,6 +124,18 @@ def _session_wrapper() -> str:
     return value
 
 
+# Ray Train V2's controller poll interval (ray.train.v2._internal.constants; train.controller_poll_s),
+# and its value in this driver's environment before we set it (a user's explicit choice wins).
+CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+_USER_CONTROLLER_POLL = os.environ.get(CONTROLLER_POLL_ENV, "")
+
+
+def controller_poll_s(cfg: Config) -> str:
+    """What Ray Train's controller polls at: the driver's RAY_TRAIN_HEALTH_CHECK_INTERVAL_S when the
+    user set one, else train.controller_poll_s."""
+    return _USER_CONTROLLER_POLL or str(cfg.train.controller_poll_s)
+
+
 def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     """What every Ray Train worker runs."""
     worker_logging()
@@ -181,6 +193,8 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str, validatio
     cpus = cpus_per_worker(cfg, use_gpu)
     elastic.check_cluster(cfg, ray.nodes(), use_gpu, cpus)
     spec.num_threads = 0 if use_gpu else cpus
+    # Ray Train hands this variable from the driver's environment to its controller (and workers).
+    os.environ[CONTROLLER_POLL_ENV] = controller_poll_s(cfg)
     trainer = TorchTrainer(
         train_fn_per_worker,
         train_loop_config={**spec.to_dict(), "dev_bleu": validation is not None},
@@ -195,8 +209,8 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str, validatio
             callbacks=[preemption.ray_worker_callback()] if tc.preemption_grace_s else [],
             checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints)),
     )
-    log.info("train: Ray Train run %s under %s, %s %s worker(s), %d CPU(s) each", run_name, storage_path,
-             tc.num_workers, "GPU" if use_gpu else "CPU", cpus)
+    log.info("train: Ray Train run %s under %s, %s %s worker(s), %d CPU(s) each; its controller polls every %s s",
+             run_name, storage_path, tc.num_workers, "GPU" if use_gpu else "CPU", cpus, os.environ[CONTROLLER_POLL_ENV])
     return trainer.fit()
 
 
