@@ -14,7 +14,7 @@ def test_the_variable_is_ray_trains_poll_interval_and_is_propagated_to_the_contr
 
     assert train.CONTROLLER_POLL_ENV == constants.HEALTH_CHECK_INTERVAL_S_ENV_VAR
     assert train.CONTROLLER_POLL_ENV in constants.ENV_VARS_TO_PROPAGATE
-    assert constants.DEFAULT_HEALTH_CHECK_INTERVAL_S > Config().train.controller_poll_s
+    assert constants.DEFAULT_HEALTH_CHECK_INTERVAL_S == Config().train.controller_poll_s  # Ray's default kept
 
 
 def test_the_config_sets_the_interval_unless_the_user_set_the_variable(monkeypatch):
