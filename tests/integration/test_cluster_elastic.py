@@ -90,7 +90,7 @@ def start_driver(tmp: Path, overrides: list[str], run: str, shards: Path, uri: s
 def finish(driver: subprocess.Popen, tmp: Path, run: str, timeout_s: float = 360) -> dict:
     out, _ = driver.communicate(timeout=timeout_s)
     assert driver.returncode == 0, (tmp / f"driver-{run}.log").read_text()[-4000:]
-    return json.loads(out.split("RESULT ", 1)[1])
+    return json.loads(out.split("RESULT ", 1)[1].splitlines()[0])  # Ray may print after it
 
 
 def registered_step(s3, prefix: str, run: str) -> int:
