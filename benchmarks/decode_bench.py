@@ -143,22 +143,22 @@ class ClockedTranslator(translator.Translator):
 def where_assets(args: argparse.Namespace) -> dict:
     """The trained model of ``--config`` and its encoded test split, planned as the stage plans it."""
     from pipeline.config import load_config
-    from pipeline.dag import compute_keys, read_manifest, stage_dir
-    from pipeline.models import find_model
+    from pipeline.models import ModelNotFound, finished_stages
 
-    files = find_model(config=args.config, work_dir=args.work_dir)
     cfg = load_config(args.config, [f"--run.work_dir={args.work_dir}"] if args.work_dir else [])
-    keys = compute_keys(cfg)
-    encode = read_manifest(stage_dir(cfg, "encode", keys["encode"]), keys["encode"])
-    if encode is None:
-        raise SystemExit("--where: no encode stage output for this config (run its DAG first)")
-    df = batching.read_split(encode.outputs["splits"]["test"]["dir"], ["idx", "src_ids"])
-    mcfg = ModelConfig.from_dict(files.model_config)
+    try:  # average and every stage it reads (vocab, encode), finished and current
+        found = finished_stages(cfg, ["average"], f"--where: config {', '.join(args.config)}")
+    except ModelNotFound as e:
+        raise SystemExit(str(e)) from None
+    avg = found["average"].outputs
+    df = batching.read_split(found["encode"].outputs["splits"]["test"]["dir"], ["idx", "src_ids"])
+    mcfg = ModelConfig.from_dict(avg["model_config"])
     settings = asdict(DecodeSettings.of(cfg.eval))
     max_len = max_source_len(mcfg.max_positions, settings["max_len_a"], settings["max_len_b"])
     rows, _ = batching.plan_split("test", df, max_len, mcfg.eos_id, args.batch_tokens)
-    kwargs = {"model_path": files.model, "model_config": files.model_config, "spm_path": files.spm,
-              "settings": settings, "device": "cpu", "num_threads": args.threads}
+    kwargs = {"model_path": avg["model"], "model_config": avg["model_config"],
+              "spm_path": found["vocab"].outputs["model"], "settings": settings, "device": "cpu",
+              "num_threads": args.threads}
     return {"rows": rows, "kwargs": kwargs, "settings": settings}
 
 

@@ -9,9 +9,10 @@ elastic_resize_monitor_interval_s=train.elastic_resize_interval_s)`. What Ray Tr
 - A lost node is noticed through its workers: the controller polls them every
   train.controller_poll_s (2 s; Ray's RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), and a dead worker actor
   (its process gone with its raylet, or its node declared dead by the GCS's health checks) is a
-  worker-group error. The group is then restarted from the latest checkpoint on the workers that fit. That restart counts against
-  `train.max_failures` (`FailureConfig.max_failures`) unless Ray saw the node drained first
-  (a cloud preemption through the autoscaler: `max_preemption_failures`, unlimited by default).
+  worker-group error. The group is then restarted from the latest checkpoint on the workers that
+  fit. That restart counts against `train.max_failures` (`FailureConfig.max_failures`) unless Ray
+  saw the node drained first (a cloud preemption through the autoscaler: `max_preemption_failures`,
+  unlimited by default).
 - While running, every elastic_resize_monitor_interval_s it asks whether more workers fit; if so
   it stops the group and restarts it larger from the latest checkpoint. Such a resize is not a
   failure: it uses up nothing.
