@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -282,17 +283,34 @@ def describe_error(uri: str, error: BaseException, action: str = "use") -> str:
                  "AWS_ACCESS_KEY_ID is not set, so AWS_PROFILE / ~/.aws / the instance role is used")
     else:
         creds = "GOOGLE_APPLICATION_CREDENTIALS or the instance's service account"
-    upper = raw.upper()
-    if any(s in upper for s in ("NO_SUCH_BUCKET", "NOSUCHBUCKET", "BUCKET DOES NOT EXIST")) or (
-            f"BUCKET '{bucket.upper()}' NOT FOUND" in upper):
-        hint = "the bucket does not exist: create it or fix the bucket name in the URI"
-    elif any(s in upper for s in ("ACCESS_DENIED", "ACCESSDENIED", "INVALID_ACCESS_KEY", "SIGNATURE",
-                                  "FORBIDDEN", "CREDENTIAL", "EXPIRED", "403")):
-        hint = f"the credentials were refused or lack permission on this bucket: check {creds}"
-    elif any(s in upper for s in ("NETWORK_CONNECTION", "COULD NOT CONNECT", "RESOLVE HOST", "TIMED OUT",
-                                  "TIMEOUT", "CURLCODE")):
-        hint = ("the object store does not answer: check the endpoint (AWS_ENDPOINT_URL or "
-                "AWS_ENDPOINT_URL_S3 for an S3-compatible store) and the network")
-    else:
-        hint = f"check the bucket name, the endpoint (AWS_ENDPOINT_URL) and {creds}"
+    hint = _cause(raw, bucket, creds)
     return f"cannot {action} {uri} ({where}): {hint} [{raw}]"
+
+
+_NO_BUCKET = ("NO_SUCH_BUCKET", "NOSUCHBUCKET", "BUCKET DOES NOT EXIST")
+_REFUSED = ("ACCESS_DENIED", "ACCESSDENIED", "INVALID_ACCESS_KEY", "SIGNATURE", "FORBIDDEN", "CREDENTIAL",
+            "EXPIRED", "PERMISSION_DENIED", "UNAUTHENTICATED")
+_NO_ANSWER = ("NETWORK_CONNECTION", "COULD NOT CONNECT", "RESOLVE HOST", "TIMED OUT", "TIMEOUT", "CURLCODE",
+              "UNAVAILABLE")
+
+
+def _cause(raw: str, bucket: str, creds: str) -> str:
+    """The likely cause of an object-store error, from the store's error code where it gives one.
+
+    The code (``AWS Error NETWORK_CONNECTION``) decides before any keyword in the free text, and the
+    text is searched without the bucket and key names and with numbers matched whole: a port such
+    as 40365 once read as HTTP 403, and a bucket may be called ``credentials``.
+    """
+    code = re.search(r"AWS Error ([A-Z_]+)", raw)
+    text = re.sub(r"(bucket|key) '[^']*'", r"\1", raw).upper()
+    if f"BUCKET '{bucket.upper()}' NOT FOUND" in raw.upper():
+        return "the bucket does not exist: create it or fix the bucket name in the URI"
+    for where in ([code.group(1)] if code and code.group(1) != "UNKNOWN" else []) + [text]:
+        if any(s in where for s in _NO_ANSWER):
+            return ("the object store does not answer: check the endpoint (AWS_ENDPOINT_URL or "
+                    "AWS_ENDPOINT_URL_S3 for an S3-compatible store) and the network")
+        if any(s in where for s in _NO_BUCKET):
+            return "the bucket does not exist: create it or fix the bucket name in the URI"
+        if any(s in where for s in _REFUSED) or re.search(r"(?<![\d.:])40[13](?![\d.])", where):
+            return f"the credentials were refused or lack permission on this bucket: check {creds}"
+    return f"check the bucket name, the endpoint (AWS_ENDPOINT_URL) and {creds}"
