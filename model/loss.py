@@ -7,9 +7,9 @@ import torch
 
 # On a CPU the (M, K) logits are walked in row chunks of about this many elements: each chunk's fp32
 # copy and its softmax stay in cache, and bf16 logits are never copied whole to fp32. Measured on a
-# 2-core AVX512-BF16 CPU, forward + backward at K = 8000 (bf16 logits): 172 -> 52 ms at M = 2700
-# rows, 400 -> 122 ms at M = 6800 (fp32 logits: 1.5x), the same values bit for bit
-# (docs/benchmarks.md, "The loss and dropout on a CPU"). On a GPU one chunk: no Python loop.
+# 2-core AVX512-BF16 CPU, forward + backward at K = 8000 with bf16 logits: 175 -> 59 ms at
+# M = 2700 rows, 388 -> 154 ms at M = 6800 (fp32 logits: 1.4-1.6x), the same values bit for bit
+# (docs/benchmarks.md, `cpu_step_bench.py`). On a GPU one chunk: no Python loop.
 CPU_CHUNK_ELEMENTS = 1 << 19
 
 
