@@ -75,9 +75,9 @@ def test_ordinary_uris_pass(value):
     ("When getting information for key 'wd-bad' in bucket 'b': AWS Error NETWORK_CONNECTION during HeadObject "
      "operation: curlCode: 7, Could not connect to server; Details: Failed to connect to 127.0.0.1 port 40365 "
      "after 0 ms: Could not connect to server", "does not answer"),
-    # names are not causes: a key called 'credentials-timeout' is neither
-    ("When getting information for key 'credentials-timeout' in bucket 'b': AWS Error NO_SUCH_BUCKET during "
-     "HeadObject operation", "the bucket does not exist"),
+    # names are not causes: a key called 'credentials-2026' says nothing of the credentials
+    ("When getting information for key 'credentials-2026' in bucket 'b': AWS Error NETWORK_CONNECTION during "
+     "HeadObject operation: curlCode: 7, Could not connect to server", "does not answer"),
     # no AWS code: the free text decides, a whole 403 is a refusal
     ("HTTP status 403 from http://minio.internal:9000", "credentials were refused"),
     ("Unexpected reply, HTTP status 500", "check the bucket name, the endpoint"),
