@@ -303,14 +303,15 @@ def _cause(raw: str, bucket: str, creds: str) -> str:
     """
     code = re.search(r"AWS Error ([A-Z_]+)", raw)
     text = re.sub(r"(bucket|key) '[^']*'", r"\1", raw).upper()
-    if f"BUCKET '{bucket.upper()}' NOT FOUND" in raw.upper():
-        return "the bucket does not exist: create it or fix the bucket name in the URI"
+    no_bucket = "the bucket does not exist: create it or fix the bucket name in the URI"
+    if f"BUCKET '{bucket.upper()}' NOT FOUND" in raw.upper():  # GCS names the bucket in its message
+        return no_bucket
     for where in ([code.group(1)] if code and code.group(1) != "UNKNOWN" else []) + [text]:
         if any(s in where for s in _NO_ANSWER):
             return ("the object store does not answer: check the endpoint (AWS_ENDPOINT_URL or "
                     "AWS_ENDPOINT_URL_S3 for an S3-compatible store) and the network")
         if any(s in where for s in _NO_BUCKET):
-            return "the bucket does not exist: create it or fix the bucket name in the URI"
+            return no_bucket
         if any(s in where for s in _REFUSED) or re.search(r"(?<![\d.:])40[13](?![\d.])", where):
             return f"the credentials were refused or lack permission on this bucket: check {creds}"
     return f"check the bucket name, the endpoint (AWS_ENDPOINT_URL) and {creds}"
