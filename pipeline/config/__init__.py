@@ -4,19 +4,20 @@
   fixed set of allowed values once (`typing.get_args(Backend)` elsewhere);
 - `loader`: the generic TOML + override loader (`load_config`, `from_dict`, `coerce`,
   `typed_fields`);
-- `checks`: `ConfigError` and the checks both share.
+- `checks`: `ConfigError` and the checks both share;
+- `devices`: what `"auto"` and the booleans of the per-device settings decide.
 
 Part of the pipeline core: imports the standard library and `model.config` only.
 """
 
 from .checks import ConfigError, parse_resources
 from .loader import coerce, from_dict, load_config, parse_overrides, typed_fields
-from .schema import (AverageSelect, Backend, CheckpointUpload, Config, DataConfig, DecodeSettings, EarlyStopMetric,
+from .schema import (AttentionBackend, Auto, AverageSelect, Backend, CheckpointUpload, Config, DataConfig, DecodeSettings, EarlyStopMetric,
                      EvalConfig, GradCompression, ModelSection, Placement, Precision, Preprocess, Quantization,
                      RunConfig, Source, Split, TrackingConfig, TrainConfig, VocabConfig, VocabModel, keyed_if_set, op)
 
 __all__ = [
-    "AverageSelect", "Backend", "CheckpointUpload", "Config", "ConfigError", "DataConfig", "DecodeSettings",
+    "AttentionBackend", "Auto", "AverageSelect", "Backend", "CheckpointUpload", "Config", "ConfigError", "DataConfig", "DecodeSettings",
     "EarlyStopMetric", "EvalConfig", "GradCompression", "ModelSection", "Placement", "Precision", "Preprocess",
     "Quantization", "RunConfig", "Source", "Split", "TrackingConfig", "TrainConfig", "VocabConfig", "VocabModel",
     "coerce", "from_dict", "keyed_if_set", "load_config", "op", "parse_overrides", "parse_resources", "typed_fields",

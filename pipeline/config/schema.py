@@ -34,6 +34,8 @@ Backend = Literal["torch", "ctranslate2"]  # eval.backend, eval.dev_bleu_engine 
 Quantization = Literal["float32", "int8"]  # eval.ct2_quantization, eval.dev_bleu_quantization (export)
 AverageSelect = Literal["last", "best_dev_bleu"]  # eval.average_select
 Split = Literal["test", "dev"]  # eval.splits
+Auto = Literal["auto"]  # train.use_gpu, eval.use_gpu, train.compile, train.shape_buckets: decided per device
+AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]  # train.attention_backend
 
 
 def op(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
@@ -136,7 +138,9 @@ class TrainConfig:
     # and grows back when capacity returns, checked every elastic_resize_interval_s.
     num_workers: int | list[int] = op(8)
     elastic_resize_interval_s: float = op(60.0)  # Ray's ScalingConfig(elastic_resize_monitor_interval_s)
-    use_gpu: bool = op(True)
+    # "auto": GPU workers when the Ray cluster has a GPU, else CPU workers; true: GPUs or an error
+    # before anything starts; false: CPUs (pipeline/train/stage.py, gpu_training).
+    use_gpu: bool | Auto = op("auto")
     # "auto": bf16 autocast where the device does bf16 natively (CUDA; a CPU with AVX512-BF16 or
     # AMX), else fp32 (fp16 on a GPU without bf16). "bf16" on a CPU without it is an error.
     precision: Precision = op("auto")  # (pipeline/train/precision.py)
@@ -166,7 +170,17 @@ class TrainConfig:
     cpus_per_worker: int = op(0)
     corpus_cache_dir: str = op("")  # node-local folder for the shared training-split copy; "" = <tmp>
     prefetch: bool = op(True)  # prepare the next step's micro-batches in a background thread
-    compile: bool = op(False)  # torch.compile(dynamic=True) the model (GPU; works on CPU with a C++ compiler)
+    # torch.compile(dynamic=True) the model: "auto" = on a GPU (small models are bound by Python's
+    # kernel launches there), eager on a CPU (compiling costs minutes there and gains little).
+    compile: bool | Auto = op("auto")
+    # Micro-batches padded to a few fixed shapes (pipeline/train/shapes.py): "auto" = on a GPU, where
+    # every new shape costs a cuDNN attention plan and GEMM choices; a CPU rounds positions to 64
+    # in bf16 only (precision.row_multiple).
+    shape_buckets: bool | Auto = op("auto")
+    # The scaled-dot-product-attention kernel on a GPU: "auto" = the fastest of flash,
+    # memory-efficient and cuDNN on this GPU, timed at the worker's start on a training-sized shape
+    # (pipeline/train/attention.py); or one of them, or "math". A CPU keeps PyTorch's own choice.
+    attention_backend: AttentionBackend = op("auto")
     compile_backend: str = op("inductor")  # torch.compile backend ("aot_eager": capture only, for tests)
     grad_compression: GradCompression = op("none")  # "bf16": DDP all-reduces gradients in bf16 (multi-node)
     checkpoint_upload: CheckpointUpload = op("async")  # "async": upload in the background (Ray Train ASYNC); "sync"
@@ -256,7 +270,7 @@ class EvalConfig(DecodeSettings):
     average_last: int = 5  # §6.1: "averaging the last 5 checkpoints"
     batch_tokens: int = op(4000)  # source tokens per decoding batch
     num_workers: int = op(1)  # Ray Data actors for translate (one per GPU)
-    use_gpu: bool = op(True)
+    use_gpu: bool | Auto = op("auto")  # as train.use_gpu: "auto" = a GPU per actor when the cluster has one
     # torch threads per CPU actor; 0 = auto: the node's CPUs shared out over eval.num_workers
     # (Ray still reserves run.data_num_cpus per actor, so the read tasks keep a CPU).
     threads_per_worker: int = op(0)

@@ -35,6 +35,7 @@ import pandas as pd
 from model import max_source_len
 from pipeline import storage
 from pipeline.config import DecodeSettings
+from pipeline.config.devices import use_gpus
 from pipeline.decoding.batching import plan_split, read_split
 from pipeline.decoding.translator import Translator, model_config_of
 from pipeline.stage import StageContext, StageResult
@@ -61,7 +62,7 @@ def _actor_resources(cfg: Any) -> tuple[dict[str, Any], str, int]:
     import ray
 
     num_cpus = cfg.run.data_num_cpus
-    if cfg.eval.use_gpu and ray.cluster_resources().get("GPU", 0) >= 1:
+    if use_gpus(cfg.eval.use_gpu, ray.cluster_resources().get("GPU", 0), "eval.use_gpu"):
         return {"num_gpus": 1, "num_cpus": num_cpus}, "cuda", 0
     # Ray reserves run.data_num_cpus per actor (fewer than the node's CPUs, so Ray Data's read
     # tasks keep one: an actor pool holding every CPU deadlocks them), but the actors' torch

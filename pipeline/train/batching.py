@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.train.shapes import ShapeBuckets
+
 
 def keep_mask(src_len: np.ndarray, tgt_len: np.ndarray, max_len: int) -> np.ndarray:
     """Pairs to train on: no side longer than `max_len` pieces and no empty side."""
@@ -185,7 +187,7 @@ def _gather(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray
 
 def collate(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, tgt_values: np.ndarray,
             tgt_offsets: np.ndarray, pad_id: int, bos_id: int, eos_id: int, row_multiple: int = 1,
-            max_width: int = 0) -> Batch:
+            max_width: int = 0, buckets: ShapeBuckets | None = None) -> Batch:
     """Padded source, decoder input and target for `rows` of flattened id lists.
 
     `row_multiple` > 1 rounds the number of positions the model computes (`src_index`,
@@ -195,7 +197,15 @@ def collate(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, t
     and no real position attends to them (pad keys are masked in the source; in the target they
     sit after every real query). Why: oneDNN
     builds a bf16 GEMM kernel per shape, and without rounding every micro-batch of a CPU bf16 run
-    has new shapes (docs/benchmarks.md, "bf16 on CPU")."""
+    has new shapes (docs/benchmarks.md, "bf16 on CPU").
+
+    `buckets` (GPUs: `train.shape_buckets`) pads the batch to its bucketed shape instead
+    (`pipeline.train.shapes`; `row_multiple` is then unused): more rows, each a source of [eos]
+    and a decoder input of [bos] with a pad target, more columns, and more computed positions
+    (pad positions, as above)."""
+    if buckets is not None:
+        return _collate_bucketed(rows, src_values, src_offsets, tgt_values, tgt_offsets, pad_id, bos_id, eos_id,
+                                 max_width, buckets)
     B, every = len(rows), np.arange(len(rows))
     s_lens, s_pieces, s_row, s_col = _gather(src_values, src_offsets, rows)
     s_width = _width(s_lens + 1, row_multiple, max_width)
@@ -216,6 +226,32 @@ def collate(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, t
     return Batch(src, tgt_in, tgt_out, int(s_lens.sum()) + B, int(t_lens.sum()) + B, src_index, tgt_index, target)
 
 
+def _collate_bucketed(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, tgt_values: np.ndarray,
+                      tgt_offsets: np.ndarray, pad_id: int, bos_id: int, eos_id: int, max_width: int,
+                      buckets: ShapeBuckets) -> Batch:
+    """`collate` padded to `buckets`' shape of the batch: (Bb, S) source, (Bb, T) target, Ms / Mt
+    computed positions (the real ones first, row-major, then the first pad positions)."""
+    B, every = len(rows), np.arange(len(rows))
+    s_lens, s_pieces, s_row, s_col = _gather(src_values, src_offsets, rows)
+    t_lens, t_pieces, t_row, t_col = _gather(tgt_values, tgt_offsets, rows)
+    Bb, S, T, Ms, Mt = buckets.shape(B, int(s_lens.max(initial=0)) + 1, int(t_lens.max(initial=0)) + 1,
+                                     int(s_lens.sum()) + B, int(t_lens.sum()) + B, max_width)
+    src = np.full((Bb, S), pad_id, dtype=np.int64)  # pieces + [eos]; added rows: [eos] (a key to attend to)
+    src[s_row, s_col] = s_pieces
+    src[every, s_lens] = eos_id
+    src[B:, 0] = eos_id
+    tgt_in = np.full((Bb, T), pad_id, dtype=np.int64)  # [bos] + pieces; added rows: [bos]
+    tgt_in[:, 0] = bos_id
+    tgt_in[t_row, t_col + 1] = t_pieces
+    tgt_out = np.full((Bb, T), pad_id, dtype=np.int64)  # pieces + [eos]; added rows: pad only
+    tgt_out[t_row, t_col] = t_pieces
+    tgt_out[every, t_lens] = eos_id
+    src_index = _prefix_positions(np.pad(s_lens + 1, (0, Bb - B)), S, count=Ms)
+    tgt_index = _prefix_positions(np.pad(t_lens + 1, (0, Bb - B)), T, count=Mt)
+    target = tgt_out.reshape(-1)[tgt_index]
+    return Batch(src, tgt_in, tgt_out, int(s_lens.sum()) + B, int(t_lens.sum()) + B, src_index, tgt_index, target)
+
+
 def _width(lens: np.ndarray, row_multiple: int, max_width: int = 0) -> int:
     """The padded width of rows of `lens`: the longest, widened (by whole columns, up to
     `max_width` if > 0) until the batch has enough pad positions to round its real positions up
@@ -227,14 +263,15 @@ def _width(lens: np.ndarray, row_multiple: int, max_width: int = 0) -> int:
     return max(longest, min(wanted, max_width) if max_width > 0 else wanted)
 
 
-def _prefix_positions(lens: np.ndarray, width: int, row_multiple: int = 1) -> np.ndarray:
+def _prefix_positions(lens: np.ndarray, width: int, row_multiple: int = 1, count: int = 0) -> np.ndarray:
     """Flat positions r * width + c, c < lens[r], of rows whose first lens[r] columns are real,
-    then as many of the first pad positions (row-major) as round the count up to `row_multiple`."""
+    then as many of the first pad positions (row-major) as round the count up to `row_multiple`
+    (or, with `count` > 0, make it `count`)."""
     starts = np.arange(len(lens), dtype=np.int64) * width
     total = int(lens.sum())
     within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
     real = np.repeat(starts, lens) + within
-    need = -total % row_multiple
+    need = count - total if count > 0 else -total % row_multiple
     if not need:
         return real
     free = np.ones(len(lens) * width, dtype=bool)

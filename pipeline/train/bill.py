@@ -30,6 +30,7 @@ import torch
 
 from model import ModelConfig, Transformer, size_name
 from pipeline.config import Config, ConfigError
+from pipeline.config.devices import on_for
 from pipeline.train import batching, elastic
 from pipeline.train.flops import MicroShape, six_n_t, step_flops
 
@@ -209,7 +210,7 @@ def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarra
     path = mfu_from or tc.mfu_from
     notes: list[str] = []
     if path:
-        mfu, mfu_source, notes = mfu_from_gpu_check(path, mc, tc.compile, tc.gpu_type)
+        mfu, mfu_source, notes = mfu_from_gpu_check(path, mc, on_for(tc.compile, "cuda"), tc.gpu_type)
     else:
         mfu, mfu_source = tc.assumed_mfu, ("an ASSUMPTION (train.assumed_mfu), not measured: measure it with "
                                            "benchmarks/gpu_check.sh and pass --mfu-from gpu_check.json")

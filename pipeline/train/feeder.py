@@ -17,6 +17,7 @@ import torch
 from model import ModelConfig
 from pipeline.train import batching
 from pipeline.train.corpus import Corpus
+from pipeline.train.shapes import ShapeBuckets
 from pipeline.train.step import MicroBatch, pin
 
 HostBatches = tuple[list[MicroBatch], int, int]  # micro-batches, step target tokens, step source tokens
@@ -54,12 +55,14 @@ class StepPlan:
 
 class HostBatcher:
     """This worker's micro-batches of one step (`rank` of `world`), under `max_tokens` padded tokens
-    each; `row_multiple`: see `batching.collate` (`precision.row_multiple`)."""
+    each; `row_multiple`, `buckets`: see `batching.collate` (`precision.row_multiple`,
+    `train.shape_buckets`). `shapes` collects the shapes handed out (the loop logs their count)."""
 
     def __init__(self, data: Corpus, mcfg: ModelConfig, rank: int, world: int, max_tokens: int,
-                 device: torch.device, row_multiple: int = 1):
+                 device: torch.device, row_multiple: int = 1, buckets: ShapeBuckets | None = None):
         self.data, self.mcfg, self.rank, self.world = data, mcfg, rank, world
-        self.max_tokens, self.device, self.row_multiple = max_tokens, device, row_multiple
+        self.max_tokens, self.device, self.row_multiple, self.buckets = max_tokens, device, row_multiple, buckets
+        self.shapes: set[tuple[int, ...]] = set()
 
     def __call__(self, group: np.ndarray) -> HostBatches:
         d, m = self.data, self.mcfg
@@ -71,7 +74,8 @@ class HostBatcher:
             weight = 1.0 if len(rows) else 0.0  # no rows left for this worker: a zero-weight stand-in
             rows = rows if len(rows) else group[:1]
             b = batching.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
-                                 m.pad_id, m.bos_id, m.eos_id, self.row_multiple, m.max_positions)
+                                 m.pad_id, m.bos_id, m.eos_id, self.row_multiple, m.max_positions, self.buckets)
+            self.shapes.add(b.src.shape + b.tgt_in.shape + (len(b.src_index), len(b.tgt_index)))
             micro.append(pin(b, self.device, weight))
         return micro, step_tgt, step_src
 

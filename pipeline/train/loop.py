@@ -35,6 +35,7 @@ import torch
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
 from pipeline.config import from_dict as config_from_dict
+from pipeline.config.devices import on_for
 from pipeline.train import elastic, preemption
 from pipeline.train.cadence import Cadence
 from pipeline.train.checkpoint import Checkpointer, Progress
@@ -43,6 +44,7 @@ from pipeline.train.corpus import load_corpus, load_shared_corpus
 from pipeline.train.early_stop import LoopStop
 from pipeline.train.feeder import Feeder, HostBatcher, HostBatches, StepPlan
 from pipeline.train.metrics import TrainLog, Window
+from pipeline.train.shapes import ShapeBuckets
 from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
 from pipeline.train.precision import resolve_precision, row_multiple
 from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, step_seed, upload
@@ -94,7 +96,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         self.forward_model: torch.nn.Module = self.model  # what steps call (compiled if asked)
         self.compiler = None  # counts the graphs torch.compile made (pipeline.train.compiled)
-        if self.tc.compile:
+        if on_for(self.tc.compile, self.device.type):
             self.forward_model, self.compiler = compile_model(self.model, self.tc.compile_backend)
         self.progress = Progress()
         self.cadence = Cadence(self.tc, self.world, self.device, validates=self.validate is not None)
@@ -142,8 +144,10 @@ class Trainer:
                      self.precision, len(self.plan.rows), self.plan.num_dropped, tc.max_len,
                      len(self.plan.groups(p.epoch)), p.epoch)
         window, t_attempt, time_base = Window(), time.perf_counter(), p.train_time_s
-        feeder = Feeder(HostBatcher(self.train_data, self.mcfg, self.rank, self.world, tc.max_tokens_per_batch,
-                                    self.device, row_multiple(self.precision, self.device)), prefetch=tc.prefetch)
+        self.batcher = HostBatcher(self.train_data, self.mcfg, self.rank, self.world, tc.max_tokens_per_batch,
+                                   self.device, row_multiple(self.precision, self.device),
+                                   ShapeBuckets() if on_for(tc.shape_buckets, self.device.type) else None)
+        feeder = Feeder(self.batcher, prefetch=tc.prefetch)
         notice = preemption.Agreement(tc.preemption_grace_s, self.rank, self.world) if tc.preemption_grace_s else None
         try:
             while p.step < tc.max_steps and not p.early_stop:
@@ -159,8 +163,9 @@ class Trainer:
                 if self.cadence.logs(p.step):
                     self.metrics.log_window(window)
                     window = Window()
-                    if self.compiler is not None and self.rank == 0:
-                        self.metrics.log({"train/compiled_graphs": float(self.compiler.num_graphs)})
+                    if self.rank == 0:
+                        self.metrics.log({"train/batch_shapes": float(len(self.batcher.shapes)), **(
+                            {"train/compiled_graphs": float(self.compiler.num_graphs)} if self.compiler is not None else {})})
                 if self.cadence.validates_at(p.step):
                     self._validate(model)
                 # then the checkpoint of this step records it
@@ -229,7 +234,8 @@ class Trainer:
                 "num_pairs": len(self.plan.rows), "precision": self.precision, "world_size": self.world,
                 "history_train": p.history_train, "history_val": p.history_val, "last_metrics": self.metrics.last,
                 "early_stop": p.early_stop or None,
-                "compiled_graphs": self.compiler.num_graphs if self.compiler is not None else None}
+                "compiled_graphs": self.compiler.num_graphs if self.compiler is not None else None,
+                "batch_shapes": len(self.batcher.shapes) if hasattr(self, "batcher") else None}
 
 
 def train_worker(spec: dict[str, Any], session: Session) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from pipeline.config import Config
 from pipeline.stage import StageContext, StageResult
 from pipeline.train.corpus import id_range, load_lengths, shard_files
 from pipeline.train.loop import LoopSpec, train_worker
+from pipeline.config.devices import use_gpus
 from pipeline.train.precision import describe as describe_precision
 from pipeline.train.session import SESSION_WRAPPER_ENV, RaySession
 from pipeline.train.resume import storage_path_for
@@ -152,10 +153,11 @@ def forget_run(cfg: Config, key: str) -> None:
 
 
 def gpu_training(cfg: Config) -> bool:
-    """Train on GPUs when asked to and the (already connected) Ray cluster has one."""
+    """Train on GPUs: `train.use_gpu` against the (already connected) Ray cluster ("auto": when it
+    has one; true without one is a ConfigError)."""
     import ray
 
-    return bool(cfg.train.use_gpu and ray.cluster_resources().get("GPU", 0) >= 1)
+    return use_gpus(cfg.train.use_gpu, ray.cluster_resources().get("GPU", 0), "train.use_gpu")
 
 
 def cpus_per_worker(cfg: Config, use_gpu: bool) -> int:
@@ -186,8 +188,9 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str, validatio
     ensure_ray(cfg)
     tc = cfg.train
     use_gpu = gpu_training(cfg)
-    if tc.use_gpu and not use_gpu:
-        log.warning("train.use_gpu = true but the Ray cluster has no GPU: training on CPU")
+    if tc.use_gpu == "auto":
+        log.info("train.use_gpu = auto: the Ray cluster has %s GPU: training on %s",
+                 "a" if use_gpu else "no", "GPUs" if use_gpu else "CPUs")
     if not use_gpu:  # a bad train.precision fails here, before any worker starts (this CPU decides)
         log.info("train: %s", describe_precision(tc.precision, torch.device("cpu")))
     cpus = cpus_per_worker(cfg, use_gpu)
