@@ -463,14 +463,16 @@ class Transformer(nn.Module):
 
     def decode(self, tgt_in_ids: torch.Tensor, memory: torch.Tensor, src_pad_mask: torch.Tensor,
                keep: torch.Tensor | None = None, memory_packing: Packing | None = None,
-               keep_index: torch.Tensor | None = None) -> torch.Tensor:
+               keep_index: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
         """Teacher-forced decoder: tgt_in_ids (B, T) -> logits (B, T, V), or (M, V) for the M
         positions where `keep` (B, T) is True. Self-attention uses the causal mask only: with
         right padding every pad key sits after every real query, so it is never attended to
         from a position whose output is used. `keep` must be True on a prefix of each row (right
         padding, as `tgt_in_ids != pad_id`): the decoder then runs on those positions only.
         With `memory_packing`, memory is the (Ms, d) real source positions (see `Packing`);
-        `keep_index`, if given, is `keep`'s flat True positions (computed on the host)."""
+        `keep_index`, if given, is `keep`'s flat True positions (computed on the host).
+        `hidden_only`: the last layer's output (B, T, d) / (M, d), before the vocabulary projection
+        (a fused projection + loss takes it: `model.loss.linear_label_smoothed_nll`)."""
         cross_mask = key_padding_to_attn_mask(src_pad_mask)  # (B, 1, 1, S)
         packing = None if keep is None else Packing(keep, keep_index)
         x = self._embed(self.tgt_embed, tgt_in_ids)  # (B, T, d)
@@ -479,7 +481,7 @@ class Transformer(nn.Module):
         for layer in self.decoder_layers:
             x = layer(x, layer.cross_attn.project_kv(memory, memory_packing), cross_mask, is_causal=True,
                       packing=packing)
-        return self.output_proj(x)  # (B, T, V) or (M, V)
+        return x if hidden_only else self.output_proj(x)  # (B, T, V) or (M, V)
 
     def _encode_packed(self, src_ids: torch.Tensor, src_index: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, Packing, torch.Tensor]:
@@ -493,7 +495,8 @@ class Transformer(nn.Module):
         return x, packing, src_pad_mask
 
     def forward(self, src_ids: torch.Tensor, tgt_in_ids: torch.Tensor, nonpad_only: bool = False,
-                src_index: torch.Tensor | None = None, tgt_index: torch.Tensor | None = None) -> torch.Tensor:
+                src_index: torch.Tensor | None = None, tgt_index: torch.Tensor | None = None,
+                hidden_only: bool = False) -> torch.Tensor:
         """src_ids (B, S) = pieces + [eos]; tgt_in_ids (B, T) = [bos] + pieces -> logits (B, T, V).
 
         nonpad_only=True returns logits (M, V) only at the M non-pad decoder positions, row-major:
@@ -503,11 +506,12 @@ class Transformer(nn.Module):
         DDP-wrapped calls keep working. The encoder always skips padding: its outputs there are
         never attended to. `src_index`/`tgt_index` (optional) are the flat non-pad positions of
         src_ids / tgt_in_ids, computed on the host (`pipeline.train.batching.collate`), so the
-        step needs no device-to-host sync to find them."""
+        step needs no device-to-host sync to find them. `hidden_only`: (M, d) or (B, T, d) before
+        the vocabulary projection (`decode`)."""
         memory, memory_packing, src_pad_mask = self._encode_packed(src_ids, src_index)
         keep = tgt_in_ids.ne(self.cfg.pad_id) if nonpad_only else None
         return self.decode(tgt_in_ids, memory, src_pad_mask, keep=keep, memory_packing=memory_packing,
-                           keep_index=tgt_index if nonpad_only else None)
+                           keep_index=tgt_index if nonpad_only else None, hidden_only=hidden_only)
 
     def init_decoder_state(self, memory: torch.Tensor, src_pad_mask: torch.Tensor, beam_size: int = 1,
                            max_len: int | None = None) -> DecoderState:

@@ -169,8 +169,8 @@ def format_bill(cfg: Config, plans: list[StagePlan], mfu_from: str = "") -> str:
     vocab, encode = by_name["vocab"].manifest, by_name["encode"].manifest
     mc = model_config_for(cfg, vocab.outputs if vocab else {"vocab_size": cfg.vocab.size})
     if encode is None:
-        return bill.make_bill(cfg, mc, mfu_from=mfu_from).format()
-    return bill.for_train_dir(cfg, mc, encode.outputs["splits"]["train"]["dir"], mfu_from).format()
+        return bill.make_bill(cfg, mc, mfu_from=mfu_from, shapes=True).format()
+    return bill.for_train_dir(cfg, mc, encode.outputs["splits"]["train"]["dir"], mfu_from, shapes=True).format()
 
 
 def _file_list(out_dir: str, checksum: bool) -> list[dict[str, Any]]:

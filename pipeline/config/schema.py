@@ -181,6 +181,10 @@ class TrainConfig:
     # memory-efficient and cuDNN on this GPU, timed at the worker's start on a training-sized shape
     # (pipeline/train/attention.py); or one of them, or "math". A CPU keeps PyTorch's own choice.
     attention_backend: AttentionBackend = op("auto")
+    # The output projection fused with the label-smoothed loss, in row chunks (model/loss.py,
+    # linear_label_smoothed_nll): no (tokens x vocabulary) logits, bf16 or fp32, are ever held.
+    # "auto" = on a GPU; a CPU keeps its projection + chunked loss (faster there: fewer, larger GEMMs).
+    fused_loss: bool | Auto = op("auto")
     compile_backend: str = op("inductor")  # torch.compile backend ("aot_eager": capture only, for tests)
     grad_compression: GradCompression = op("none")  # "bf16": DDP all-reduces gradients in bf16 (multi-node)
     checkpoint_upload: CheckpointUpload = op("async")  # "async": upload in the background (Ray Train ASYNC); "sync"

@@ -33,6 +33,7 @@ from pipeline.config import Config, ConfigError
 from pipeline.config.devices import on_for
 from pipeline.train import batching, elastic
 from pipeline.train.flops import MicroShape, six_n_t, step_flops
+from pipeline.train.shapes import ShapeBuckets, epoch_report
 
 # Dense (no structured sparsity) 16-bit tensor-core peak per GPU: bf16, or fp16 on GPUs without
 # bf16 (V100, T4), from NVIDIA's datasheets. Where a datasheet prints only the sparse figure
@@ -54,6 +55,9 @@ PEAK_FLOPS: dict[str, tuple[float, str]] = {
 # under a 37k shared BPE, not a measurement; the bill says when it uses it.
 ASSUMED_LENGTHS = "assumed lengths (no cached encode output): source pieces ~ lognormal(median 25, sigma 0.6), " \
                   "target = source x U(0.8, 1.2)"
+# The corpus `epoch_shapes` assumes when nothing is encoded yet: the source's training pairs
+# (WMT14 EN-DE ~4.5M, §5.1; Multi30k 29,000); EN-FR's 36M is counted at EN-DE's size (seconds, not a minute).
+ASSUMED_PAIRS = {"wmt14": 4_500_000, "multi30k": 29_000}
 SAMPLE_ROWS = 200_000  # rows the batch plan is built from (a uniform sample: the same length distribution)
 SAMPLE_STEPS = 6  # steps counted: one per stratum of the steps sorted by length (steps are length buckets)
 
@@ -76,6 +80,7 @@ class Bill:
     lengths_source: str
     sampled_steps: int
     notes: tuple[str, ...] = ()
+    shapes: str = ""  # `epoch_shapes`' line ("" = not computed)
 
     @property
     def flops_6nt(self) -> float:
@@ -115,6 +120,7 @@ class Bill:
             f"{self.flops_per_step:.4e} / ({self.num_gpus} x {self.peak_flops:.4e} x {self.mfu:.4g}) / 3600 "
             f"= {self.hours:.4g} h",
             f"  GPU-hours         GPUs x hours = {self.gpu_hours:.4g}",
+            *([f"  batch shapes      {self.shapes}"] if self.shapes else []),
             "  (compute at that MFU only: the all-reduce, validation and checkpoints add to it; once training runs, "
             "its progress line's ETA is measured)"]
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
@@ -196,11 +202,33 @@ def assumed_lengths(cfg: Config, n: int = 50_000) -> tuple[np.ndarray, np.ndarra
     return (np.clip(np.rint(src), 1, None).astype(np.int64), np.clip(np.rint(tgt), 1, None).astype(np.int64))
 
 
+def epoch_shapes(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None) -> str:
+    """One line: the distinct micro-batch shapes of an epoch and their padding with GPU shape buckets
+    (`pipeline.train.shapes`), on the most workers, over the training lengths (None: `ASSUMED_PAIRS`
+    pairs of `ASSUMED_LENGTHS`, a corpus of the source's size: the count grows with the corpus)."""
+    tc, where = cfg.train, f"the training split's {len(lengths[0]):,} pairs" if lengths is not None else ""
+    if lengths is None:
+        n = ASSUMED_PAIRS.get(cfg.data.source, ASSUMED_PAIRS["wmt14"])
+        lengths, where = assumed_lengths(cfg, n), f"{n:,} pairs of assumed lengths"
+    src_len, tgt_len = lengths
+    rows = np.flatnonzero(batching.keep_mask(src_len, tgt_len, tc.max_len))
+    plan = batching.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
+    workers = elastic.worker_range(cfg)[1]
+    micro = [(src_len[c], tgt_len[c]) for g in plan
+             for w in batching.split_step(g, src_len, tgt_len, workers, tc.max_tokens_per_batch).chunks
+             for c in w if len(c)]
+    report = epoch_report(micro, ShapeBuckets(), mc.max_positions)
+    use = {"auto": "on a GPU", True: "on", False: "OFF"}[tc.shape_buckets]
+    return f"epoch 0 over {where}, {workers} worker(s), train.shape_buckets {use}: {report.format()}"
+
+
 def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None,
-              lengths_source: str = "", mfu_from: str = "") -> Bill:
+              lengths_source: str = "", mfu_from: str = "", shapes: bool = False) -> Bill:
     """The bill of `cfg`'s train stage for the model `mc`; `lengths` = the training split's
-    (src_len, tgt_len) (None: `ASSUMED_LENGTHS`); `mfu_from` overrides `train.mfu_from`."""
+    (src_len, tgt_len) (None: `ASSUMED_LENGTHS`); `mfu_from` overrides `train.mfu_from`;
+    `shapes`: count an epoch's batch shapes too (`epoch_shapes`: seconds for WMT14's 4.5M pairs)."""
     tc = cfg.train
+    shapes_line = epoch_shapes(cfg, mc, lengths) if shapes else ""
     if lengths is None:
         lengths, lengths_source = assumed_lengths(cfg), ASSUMED_LENGTHS
     src_len, tgt_len = lengths
@@ -223,16 +251,17 @@ def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarra
                 flops_per_step=float(np.mean(flops)),
                 tgt_tokens_per_step=float(np.mean([sum(m.Mt for m in s) for s in steps])),
                 src_tokens_per_step=float(np.mean([sum(m.Ms for m in s) for s in steps])),
-                lengths_source=lengths_source, sampled_steps=len(steps), notes=tuple(notes))
+                lengths_source=lengths_source, sampled_steps=len(steps), notes=tuple(notes), shapes=shapes_line)
 
 
-def for_lengths(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray], mfu_from: str = "") -> Bill:
+def for_lengths(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray], mfu_from: str = "",
+                shapes: bool = False) -> Bill:
     """The bill with the encode stage's training lengths (src_len, tgt_len), already loaded (the train stage)."""
-    return make_bill(cfg, mc, lengths, f"the encode stage's {len(lengths[0]):,} training pairs", mfu_from)
+    return make_bill(cfg, mc, lengths, f"the encode stage's {len(lengths[0]):,} training pairs", mfu_from, shapes)
 
 
-def for_train_dir(cfg: Config, mc: ModelConfig, train_dir: str, mfu_from: str = "") -> Bill:
+def for_train_dir(cfg: Config, mc: ModelConfig, train_dir: str, mfu_from: str = "", shapes: bool = False) -> Bill:
     """The bill with the encode stage's training lengths, read from its split (a cached --plan)."""
     from pipeline.train.corpus import load_lengths
 
-    return for_lengths(cfg, mc, load_lengths(train_dir), mfu_from)
+    return for_lengths(cfg, mc, load_lengths(train_dir), mfu_from, shapes)

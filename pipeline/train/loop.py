@@ -37,6 +37,7 @@ from model import ModelConfig, Transformer, make_optimizer, make_scheduler
 from pipeline.config import from_dict as config_from_dict
 from pipeline.config.devices import on_for
 from pipeline.train import elastic, preemption
+from pipeline.train.attention import attention_context
 from pipeline.train.cadence import Cadence
 from pipeline.train.checkpoint import Checkpointer, Progress
 from pipeline.train.compiled import compile_model
@@ -98,6 +99,14 @@ class Trainer:
         self.compiler = None  # counts the graphs torch.compile made (pipeline.train.compiled)
         if on_for(self.tc.compile, self.device.type):
             self.forward_model, self.compiler = compile_model(self.model, self.tc.compile_backend)
+        self.attention, why = attention_context(self.tc.attention_backend, self.device, self.mcfg.n_heads,
+                                                self.model.decoder_layers[0].self_attn.heads.hs,
+                                                self.autocast_dtype or torch.float32)
+        if self.rank == 0:
+            log.info("%s", why)
+        # train.fused_loss: the output projection fused with the loss (its weight, its matmul dtype)
+        self.fused_output = ((self.model.output_proj.weight, self.autocast_dtype or torch.float32)
+                             if on_for(self.tc.fused_loss, self.device.type) else None)
         self.progress = Progress()
         self.cadence = Cadence(self.tc, self.world, self.device, validates=self.validate is not None)
         state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
@@ -119,7 +128,7 @@ class Trainer:
         else:
             torch.cuda.set_device(self.device)
         self.precision = resolve_precision(self.tc.precision, self.device)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
+        dtype = self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         self.autocast = ((lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None
                          else contextlib.nullcontext)
 
@@ -204,8 +213,9 @@ class Trainer:
             # Started here, not before the set-up above: the prefetch thread's Python holds the GIL
             # in bursts, and the model's kernels (which release it) are what it should overlap.
             start_prefetch()
-        loss, nll = accumulate_gradients(model, micro, step_tgt, self.world, tc.label_smoothing,
-                                         self.mcfg.pad_id, self.autocast, self.scaler)
+        with self.attention():
+            loss, nll = accumulate_gradients(model, micro, step_tgt, self.world, tc.label_smoothing,
+                                             self.mcfg.pad_id, self.autocast, self.scaler, self.fused_output)
         lr = self.optimizer.param_groups[0]["lr"]
         norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.scaler, tc.clip_norm,
                               self.cadence.logs(p.step + 1))
@@ -214,7 +224,8 @@ class Trainer:
         p.tokens_tgt += step_tgt
 
     def _validate(self, model: torch.nn.Module) -> None:
-        m = self.validate(model)
+        with self.attention():
+            m = self.validate(model)
         if m is None:
             return
         p = self.progress

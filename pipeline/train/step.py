@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import label_smoothed_nll
+from model import label_smoothed_nll, linear_label_smoothed_nll
 from pipeline.train import batching
 
 
@@ -73,11 +73,17 @@ def to_device(batch: batching.Batch, device: torch.device, weight: float = 1.0) 
 def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch], step_tgt_tokens: int,
                          world_size: int, epsilon: float, pad_id: int,
                          autocast: Callable[[], ContextManager] = contextlib.nullcontext,
-                         scaler: torch.amp.GradScaler | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         scaler: torch.amp.GradScaler | None = None,
+                         fused_output: tuple[torch.Tensor, torch.dtype] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Back-propagate this worker's share of the step; return its (loss_sum, nll_sum) (detached).
 
     After the last micro-batch (and DDP's all-reduce) every worker holds
     d/dθ [ sum of token losses over the whole step / step_tgt_tokens ].
+
+    `fused_output` = (the output projection's weight, the dtype it multiplies in): the model
+    returns its last hidden states and the projection is fused with the loss
+    (`model.linear_label_smoothed_nll`: no (M, V) logits; `train.fused_loss`, on GPUs).
     """
     scale = world_size / step_tgt_tokens
     loss_total = torch.zeros((), device=micro_batches[0].src.device)
@@ -90,9 +96,13 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch]
             # to learn M; collate gives the target and the positions, computed on the host.
             target = mb.target if mb.target is not None else mb.tgt_out[mb.tgt_out != pad_id]
             with autocast():
-                logits = model(mb.src, mb.tgt_in, nonpad_only=True, src_index=mb.src_index,
-                               tgt_index=mb.tgt_index)  # (M, V)
-            loss, nll = label_smoothed_nll(logits, target, epsilon=epsilon, ignore_index=pad_id)
+                out = model(mb.src, mb.tgt_in, nonpad_only=True, src_index=mb.src_index,
+                            tgt_index=mb.tgt_index, hidden_only=fused_output is not None)  # (M, V) or (M, d)
+            if fused_output is None:
+                loss, nll = label_smoothed_nll(out, target, epsilon=epsilon, ignore_index=pad_id)
+            else:
+                weight, dtype = fused_output
+                loss, nll = linear_label_smoothed_nll(out, weight, target, epsilon, pad_id, dtype)
             if mb.weight != 1.0:
                 loss, nll = loss * mb.weight, nll * mb.weight
             scaled = loss * scale

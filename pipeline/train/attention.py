@@ -1,0 +1,71 @@
+"""`train.attention_backend`: which scaled-dot-product-attention kernel a GPU worker trains with.
+
+PyTorch picks an SDPA backend by rule, not by speed; on Hopper with torch 2.11 it picked cuDNN's,
+which builds a plan per shape (issue 37's profile: ~0.75 s per new batch shape for base). "auto"
+times the candidates that run on this device (flash, memory-efficient, cuDNN), forward and
+backward, on a training-sized shape of this model, and keeps the fastest for the run; a named
+backend is taken as it is. On a CPU "auto" leaves PyTorch's choice (its flash kernel; the model
+already runs bf16 attention in fp32 there, `model.transformer._sdpa`). Torch only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Callable, ContextManager
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+log = logging.getLogger(__name__)
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+GPU_CANDIDATES = ("flash", "efficient", "cudnn")
+
+
+def time_backend(backend: SDPBackend, shape: tuple[int, int, int, int], device: torch.device,
+                 dtype: torch.dtype, repeats: int = 5) -> float:
+    """Median seconds of a causal self-attention forward + backward on (B, h, T, hs) with `backend`
+    (inf when it cannot run this shape, dtype or device)."""
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    times = []
+    try:
+        with sdpa_kernel([backend]):
+            for _ in range(repeats + 1):  # the first builds plans and picks kernels: not timed
+                t0 = time.perf_counter()
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times.append(time.perf_counter() - t0)
+    except RuntimeError as e:  # "No available kernel" and the like
+        log.debug("SDPA backend %s cannot run %s %s: %s", backend.name, shape, dtype, e)
+        return float("inf")
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def fastest(names: tuple[str, ...], shape: tuple[int, int, int, int], device: torch.device,
+            dtype: torch.dtype) -> tuple[str | None, dict[str, float]]:
+    """(the fastest backend's name, or None if none runs; seconds of each)."""
+    timings = {n: time_backend(BACKENDS[n], shape, device, dtype) for n in names}
+    best = min(timings, key=timings.get)
+    return (best if timings[best] != float("inf") else None), timings
+
+
+def attention_context(setting: str, device: torch.device, n_heads: int, head_dim: int, dtype: torch.dtype,
+                      tokens: int = 6144, length: int = 32) -> tuple[Callable[[], ContextManager], str]:
+    """(a context factory the steps run in, a log line saying what was chosen and why)."""
+    if setting != "auto":
+        backend = BACKENDS[setting]
+        return (lambda: sdpa_kernel([backend])), f"train.attention_backend = {setting}"
+    if device.type != "cuda":
+        return contextlib.nullcontext, "train.attention_backend = auto: PyTorch's choice on a CPU"
+    shape = (max(1, tokens // length), n_heads, length, head_dim)
+    best, timings = fastest(GPU_CANDIDATES, shape, device, dtype)
+    shown = ", ".join(f"{n} {t * 1e3:.2f} ms" if t != float("inf") else f"{n} cannot run" for n, t in timings.items())
+    if best is None:
+        return contextlib.nullcontext, f"train.attention_backend = auto: none of {shown}; PyTorch's choice"
+    backend = BACKENDS[best]
+    return (lambda: sdpa_kernel([backend])), f"train.attention_backend = auto -> {best} (fwd+bwd at {shape}: {shown})"

@@ -1,0 +1,73 @@
+"""Settings decided per device (pipeline/config/devices.py, pipeline/train/attention.py) and the
+GPU defaults of the loop exercised on this CPU: "auto" devices, the attention backend's choice,
+and the fused output projection + loss trained against the plain one."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.config import ConfigError, load_config
+from pipeline.config.devices import on_for, use_gpus
+from pipeline.train import attention
+from pipeline.train.loop import LocalSession, Trainer, LoopSpec, train_worker
+from tests.unit.train.test_loop import shards, tiny_spec  # noqa: F401 (a fixture)
+
+
+def test_use_gpus_auto_true_false():
+    assert use_gpus("auto", 1, "train.use_gpu") and not use_gpus("auto", 0, "train.use_gpu")
+    assert use_gpus(True, 8, "eval.use_gpu") and not use_gpus(False, 8, "eval.use_gpu")
+    with pytest.raises(ConfigError, match=r"eval.use_gpu = true but the Ray cluster has no GPU.*\"auto\""):
+        use_gpus(True, 0, "eval.use_gpu")
+
+
+def test_on_for_is_on_for_cuda_only_when_auto():
+    assert on_for("auto", "cuda") and not on_for("auto", "cpu")
+    assert on_for(True, "cpu") and not on_for(False, "cuda")
+
+
+def test_config_takes_auto_or_a_boolean_and_names_the_key_otherwise():
+    cfg = load_config(None, ["--train.use_gpu=auto", "--eval.use_gpu=false", "--train.compile=true"])
+    assert (cfg.train.use_gpu, cfg.eval.use_gpu, cfg.train.compile, cfg.train.shape_buckets) == ("auto", False, True,
+                                                                                                  "auto")
+    with pytest.raises(ConfigError, match="train.shape_buckets"):
+        load_config(None, ["--train.shape_buckets=sometimes"])
+    with pytest.raises(ConfigError, match="train.attention_backend"):
+        load_config(None, ["--train.attention_backend=fastest"])
+
+
+def test_attention_context_on_a_cpu():
+    make, why = attention.attention_context("auto", torch.device("cpu"), 4, 32, torch.float32)
+    assert make is contextlib.nullcontext and "CPU" in why
+    make, why = attention.attention_context("math", torch.device("cpu"), 4, 32, torch.float32)
+    q = torch.randn(2, 4, 8, 16)
+    with make():  # only the math kernel allowed: the result is still attention
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    with pytest.raises(RuntimeError):  # and it is enforced: cuDNN's kernel alone does not run on a CPU
+        with attention.attention_context("cudnn", torch.device("cpu"), 4, 32, torch.float32)[0]():
+            F.scaled_dot_product_attention(q, q, q)
+
+
+def test_fastest_times_the_runnable_backends_and_skips_the_rest():
+    best, timings = attention.fastest(("math", "flash", "cudnn"), (4, 2, 16, 8), torch.device("cpu"), torch.float32)
+    assert timings["cudnn"] == float("inf")  # no cuDNN on a CPU: cannot run, never chosen
+    assert best in ("math", "flash") and timings[best] == min(timings.values()) < float("inf")
+
+
+def test_the_fused_loss_trains_as_the_plain_projection(shards, tmp_path):  # noqa: F811
+    def run(name, fused):
+        return train_worker(tiny_spec(shards, max_steps=6, fused_loss=fused), LocalSession(tmp_path / name))
+    plain, fused = run("plain", False), run("fused", True)
+    np.testing.assert_allclose([h[1] for h in fused["history_train"]], [h[1] for h in plain["history_train"]],
+                               rtol=1e-5)
+
+
+def test_auto_settings_stay_off_on_a_cpu(shards, tmp_path):  # noqa: F811
+    trainer = Trainer(LoopSpec(**tiny_spec(shards)), LocalSession(tmp_path))
+    assert trainer.tc.compile == trainer.tc.shape_buckets == trainer.tc.fused_loss == "auto"
+    assert trainer.compiler is None and trainer.fused_output is None
