@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.utils._python_dispatch
 
 from model import ModelConfig, Transformer, beam_search, make_optimizer, make_scheduler
 from pipeline.train import batching
@@ -49,6 +50,49 @@ def count_syncs(trainer: Trainer, device: str, steps: int = 10) -> tuple[float, 
         trainer._train_step = original
     per_step = np.diff(starts + [end])
     return float(per_step[:-1].mean()), int(per_step[-1])
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops dispatched (each a kernel launch or more on a GPU, a host call on a CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_profile(trainer: Trainer, device: str, steps: int = 6) -> dict:
+    """What one training step costs the host and the device, over `steps` continued plain steps:
+    aten ops dispatched per step (a TorchDispatchMode, forward + backward + Adam; on a compiled
+    model only what runs outside its graphs), wall ms per step, and on a GPU (torch.profiler)
+    kernel launches per step and device-busy ms per step (the kernels' summed durations)."""
+    trainer.tc.log_interval_steps = trainer.tc.checkpoint_interval_steps = 10**9
+    trainer.tc.max_steps = trainer.progress.step + 2
+    trainer.run()  # warm: these steps' shapes and kernels seen once
+    cuda = device.startswith("cuda")
+    trainer.tc.max_steps = trainer.progress.step + steps
+    with _OpCounter() as ops:
+        trainer.run()
+    trainer.tc.max_steps = trainer.progress.step + steps
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        trainer.run()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    out = {"aten_ops_per_step": ops.count / steps, "wall_ms_per_step": 1e3 * wall / steps}
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        out["launches_per_step"] = len(kernels) / steps
+        out["device_ms_per_step"] = sum(e.device_time_total for e in kernels) / 1e3 / steps
+        out["top_device_ops"] = prof.key_averages().table(sort_by="device_time_total", row_limit=15)
+    else:
+        out["top_host_ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    return out
 
 
 def checkpoint_stall(trainer: Trainer, folder: Path) -> dict:
@@ -154,6 +198,12 @@ def ddp_section(pr: Any, trainer: Trainer, plain_tps: float) -> tuple[dict, str]
         if pr.device.startswith("cuda"):
             torch.cuda.synchronize()
         tps = windows[-1].tokens_tgt / (time.perf_counter() - windows[-1].start)
+        # gloo's worker thread frees its last finished work shortly after DDP saw it complete, and
+        # that needs the GIL; the group's destructor joins that thread holding the GIL. Seen once
+        # (a hung --smoke, py-spy: ~ProcessGroupGloo in join, the worker in gil_scoped_acquire):
+        # let the worker finish first (sleep releases the GIL), then drop DDP, then the group.
+        time.sleep(0.2)
+        del ddp
     finally:
         dist.destroy_process_group()
     if not np.isfinite(loss):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,16 @@ def test_multi30k_config_end_to_end(tmp_path, multi30k_dir, capsys, monkeypatch)
     inner.moses = None  # the same model on the tokenized text, detokenized by hand
     plain = pyfunc.predict([task1_tokenize(r, "en") for r in raw])
     assert got == [MosesDetokenizer(lang="de").detokenize(h.split()) for h in plain]
+
+    # The GPU check's Multi30k section (benchmarks/gpu_multi30k.py) on this run's encode output: the
+    # same recipe, trained in-process without Ray, averaged, decoded and scored as the DAG did; its
+    # BLEU4 is the score stage's (same batches, seed and fp32 arithmetic; thread counts may differ).
+    sys.path.insert(0, str(reproduce_base.REPO / "benchmarks"))
+    import gpu_multi30k
+
+    bundle = gpu_multi30k.make_bundle("configs/multi30k-tiny.toml", [f"--run.work_dir={work}",
+                                      f"--data.mirror={multi30k_dir}", *SMALL], tmp_path / "bundle")
+    got = gpu_multi30k.run(bundle, "cpu", tmp_path / "gpu-work")
+    assert got["steps"] == 24 and got["averaged"] == ["checkpoint_0000012", "checkpoint_0000024"]
+    assert got["sentences"] == 100 and got["beam_size"] == 2
+    assert abs(got["bleu4"] - scores["test"]["bleu_tok_lc"]) < 0.5, (got["bleu4"], scores["test"]["bleu_tok_lc"])

@@ -20,7 +20,9 @@ from gpu_sections import largest_fitting  # noqa: E402
 
 # The issue's six, and the project's other dependencies that a bare CUDA image lacks.
 BLOCKED = ("ray", "mlflow", "sacremoses", "ctranslate2", "transformers", "fastapi",
-           "sacrebleu", "pandas", "matplotlib", "s3fs", "boto3", "psutil")
+           "matplotlib", "s3fs", "boto3", "psutil")
+# The CUDA image has pandas and sacrebleu (the device tool's KINDS.md): the Multi30k section scores
+# with sacrebleu. The rest of the check imports neither: the smoke test below blocks them too.
 
 WRAPPER = """
 import runpy, sys
@@ -45,7 +47,7 @@ finally:
     assert not leaked, f"imported anyway: {leaked}"
 """
 
-SECTIONS = ("train base eager", "host syncs", "checkpoint stall", "ddp nccl", "fit base", "beam-4 decode",
+SECTIONS = ("train base eager", "host syncs", "step profile", "checkpoint stall", "ddp nccl", "fit base", "beam-4 decode",
             "train base compiled", "train big eager", "fit big", "train big compiled")
 
 
@@ -53,12 +55,14 @@ SECTIONS = ("train base eager", "host syncs", "checkpoint stall", "ddp nccl", "f
 def test_smoke_runs_every_section_without_the_projects_heavy_dependencies(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", WRAPPER, ",".join(BLOCKED), str(REPO / "benchmarks/gpu_check.py"),
-                           "--smoke", "--json", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    blocked = ",".join(BLOCKED + ("sacrebleu", "pandas"))
+    proc = subprocess.run([sys.executable, "-c", WRAPPER, blocked, str(REPO / "benchmarks/gpu_check.py"),
+                           "--smoke", "--json", str(out), "--multi30k", str(tmp_path / "no-bundle")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["smoke"] and report["wall_s"] < 60
+    assert report["smoke"]  # and no section has a time budget: a busy CPU only makes it slower
+    assert all(s.get("budget_s") is None for s in report["sections"].values())
     for name in SECTIONS:
         assert report["sections"][name]["status"] == "ok", (name, report["sections"][name])
         assert name in proc.stdout
@@ -67,6 +71,10 @@ def test_smoke_runs_every_section_without_the_projects_heavy_dependencies(tmp_pa
     assert report["env"]["optional"] == {"ctranslate2": False, "transformers": False, "ray": False, "mlflow": False}
     assert report["sections"]["train base eager"]["tgt_tokens_per_s"] > 0
     assert report["sections"]["beam-4 decode"]["sentences_per_s"] > 0
+    profile = report["sections"]["step profile"]  # what a step dispatches: the figure a GPU's launches follow
+    assert profile["aten_ops_per_step"] > 50 and "top_host_ops" in profile
+    m30k = report["sections"]["multi30k tiny recipe"]
+    assert m30k["status"] == "skipped" and "no bundle" in m30k["reason"]
 
 
 def _threshold(limit: int, calls: list[int]):
