@@ -73,18 +73,20 @@ def _check(hyps: Sequence[str], refs: Sequence[str]) -> None:
         raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references: they must be line-aligned")
 
 
-def sacre_bleu(hyps: Sequence[str], refs: Sequence[str]) -> Score:
-    """sacreBLEU with its defaults (13a tokenizer, exp smoothing, mixed case): the CLI's number."""
+def sacre_bleu(hyps: Sequence[str], refs: Sequence[str], lowercase: bool = False) -> Score:
+    """sacreBLEU with its defaults (13a tokenizer, exp smoothing, mixed case): the CLI's number;
+    ``lowercase``: the CLI's ``-lc`` (``case:lc`` in the signature)."""
     _check(hyps, refs)
-    metric = BLEU()
+    metric = BLEU(lowercase=lowercase)
     result = metric.corpus_score(list(hyps), [list(refs)])
     return Score(result.score, str(metric.get_signature()), str(result))
 
 
-def chrf(hyps: Sequence[str], refs: Sequence[str]) -> Score:
-    """chrF2 (sacreBLEU's ``CHRF`` defaults: char 6-grams, beta 2, no word n-grams)."""
+def chrf(hyps: Sequence[str], refs: Sequence[str], lowercase: bool = False) -> Score:
+    """chrF2 (sacreBLEU's ``CHRF`` defaults: char 6-grams, beta 2, no word n-grams); ``lowercase``:
+    case-insensitive (``-lc``)."""
     _check(hyps, refs)
-    metric = CHRF()
+    metric = CHRF(lowercase=lowercase)
     result = metric.corpus_score(list(hyps), [list(refs)])
     return Score(result.score, str(metric.get_signature()), str(result))
 

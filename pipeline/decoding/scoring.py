@@ -30,7 +30,8 @@ def score_split(hyps: list[str], refs: list[str], tgt_lang: str = "de", preproce
     benchmark's lowercased tokenized text) it is ``bleu_tok_lc``, the benchmark's own BLEU on that
     text, and sacreBLEU/chrF score the Moses-detokenized hypotheses against ``raw_refs`` (the raw,
     cased reference; without them, against the detokenized ``refs``: ``bleu_sacre_reference`` says
-    which)."""
+    which), case-insensitively (sacreBLEU's ``-lc``, ``case:lc`` in the signature): a model that
+    only ever saw lowercased text cannot be scored on capitals it was never shown."""
     key = bleu.paper_metric(tgt_lang, preprocess)
     if preprocess == "none":
         sacre_hyps, sacre_refs, against = hyps, refs, "raw"
@@ -42,7 +43,8 @@ def score_split(hyps: list[str], refs: list[str], tgt_lang: str = "de", preproce
             sacre_refs, against = list(raw_refs), "raw"
         else:
             sacre_refs, against = [bleu.moses_detokenize(r, tgt_lang) for r in refs], f"{preprocess}, detokenized"
-    sacre, cf = bleu.sacre_bleu(sacre_hyps, sacre_refs), bleu.chrf(sacre_hyps, sacre_refs)
+    lc = preprocess != "none"
+    sacre, cf = bleu.sacre_bleu(sacre_hyps, sacre_refs, lc), bleu.chrf(sacre_hyps, sacre_refs, lc)
     return {"bleu_sacre": sacre.score, "sacrebleu_signature": sacre.signature, "bleu_sacre_detail": sacre.detail,
             "bleu_sacre_reference": against,
             key: tok.score, f"{key}_signature": tok.signature, f"{key}_detail": tok.detail,

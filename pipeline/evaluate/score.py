@@ -102,8 +102,9 @@ def _tokenized_note(lang: str, cs: bool, preprocess: str = "none") -> str:
                 f"tokenizer.perl -l {lang}); the model trained and translates on that text. BLEU4 = corpus BLEU "
                 "of the hypotheses against that reference, whitespace tokens, no smoothing (fairseq generate.py's "
                 "and multi-bleu.perl's number). sacreBLEU and chrF: the hypotheses Moses-detokenized, against the "
-                "raw cased reference (test) - a lowercasing model loses every capital there, so this number is "
-                "far below the BLEU4 column by construction.")
+                "raw reference (test; dev: its detokenized preprocessed text), case-insensitively (sacreBLEU's "
+                "`-lc`, `case:lc` in the signature), since the model never saw a capital; comparable with "
+                "other work's lowercased sacreBLEU only.")
     if cs:
         return ("Tokenized BLEU = tensor2tensor's `get_ende_bleu.sh` as of the paper's time (e1bde977, "
                 "2017-11-08, before fc9335c0 added replace-unicode-punctuation.perl, which lowers scores by "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from sacrebleu.metrics import BLEU
+from sacrebleu.metrics import BLEU, CHRF
 
 from pipeline.config import Config
 from pipeline.decoding import bleu
@@ -41,12 +41,18 @@ def test_score_split_with_preprocessing_reports_both_numbers():
     s = score_split(hyps, refs, "de", "lowercase_moses", raw)
     assert s["bleu_tok_lc"] == pytest.approx(bleu.benchmark_bleu(hyps, refs).score)
     detok = ["ein mann mit einem hut.", 'zwei hunde spielen "fangen".']
-    assert s["bleu_sacre"] == pytest.approx(BLEU().corpus_score(detok, [raw]).score)  # cased: capitals lost
+    # Case-insensitive (sacreBLEU's -lc): the lowercasing model is not charged for capitals it never saw.
+    assert s["bleu_sacre"] == pytest.approx(BLEU(lowercase=True).corpus_score(detok, [raw]).score)
+    assert s["bleu_sacre"] > BLEU().corpus_score(detok, [raw]).score + 10  # cased, as before: capitals lost
+    assert "|case:lc|" in s["sacrebleu_signature"] and "|case:lc|" in s["chrf_signature"]
+    assert s["chrf"] == pytest.approx(CHRF(lowercase=True).corpus_score(detok, [raw]).score)
     assert s["bleu_sacre_reference"] == "raw"
     dev = score_split(hyps, refs, "de", "lowercase_moses")  # no raw reference: the detokenized one
-    assert dev["bleu_sacre_reference"] == "lowercase_moses, detokenized"
-    assert dev["bleu_sacre"] == pytest.approx(BLEU().corpus_score(detok, [["ein mann mit einem hut.",
-                                                                           "zwei hunde spielen."]]).score)
+    assert dev["bleu_sacre_reference"] == "lowercase_moses, detokenized" and "|case:lc|" in dev["sacrebleu_signature"]
+    assert dev["bleu_sacre"] == pytest.approx(BLEU(lowercase=True).corpus_score(
+        detok, [["ein mann mit einem hut.", "zwei hunde spielen."]]).score)
+    cased = score_split(["Ein Mann."], ["Ein Mann."], "de")  # raw text, as the paper: case matters
+    assert "|case:mixed|" in cased["sacrebleu_signature"] and "|case:mixed|" in cased["chrf_signature"]
     assert "bleu_tok_cs" not in s and "bleu_tok_cs" in score_split(hyps, refs, "de")
 
 
