@@ -52,8 +52,9 @@ STAGES: tuple[Stage, ...] = (
           ("average", "encode", "vocab", "export"), "pipeline.evaluate.translate:run"),
     # The report names the pair and test set and picks its Table 2 row from data.* and model.*;
     # it reads the training facts from train and the averaged checkpoints from average, where they are made.
-    # With data.preprocess it reads download's raw test reference for the cased sacreBLEU.
-    Stage("score", "2",  # 2: sacreBLEU and chrF case-insensitive (-lc) for a preprocessed (lowercased) model ("eval.splits", "eval.max_sentences", "data.source", "data.src_lang", "data.tgt_lang",
+    # With data.preprocess it reads download's raw test reference for the sacreBLEU beside the benchmark's BLEU.
+    # Version 2: sacreBLEU and chrF case-insensitive (-lc) for a preprocessed (lowercased) model.
+    Stage("score", "2", ("eval.splits", "eval.max_sentences", "data.source", "data.src_lang", "data.tgt_lang",
                          "data.dev_src", "data.test_src", "data.preprocess", "eval.attention_sentences", "model"),
           ("translate", "encode", "average", "train", "download", "vocab"),
           "pipeline.evaluate.score:run"),
