@@ -63,13 +63,17 @@ BAD_BODIES = (b'{"text": ["a", ', b'{"text": ["Hello."], "beam": 100}', b'{"text
 
 
 def client(url: str, good: list[bytes], bad_every: int, deadline: float, timeout_s: float, out: list,
-           offset: int = 0) -> None:
-    """Send bodies until the deadline, every ``bad_every``-th a bad one (0: none); append
-    (good, latency_s, status) per request."""
+           offset: int = 0, attention: list[bytes] = (), attention_every: int = 0) -> None:
+    """Send bodies until the deadline, every ``bad_every``-th a bad one (0: none) and every
+    ``attention_every``-th an ``"attention": true`` one (0: none); append (kind, latency_s, status)
+    per request, kind "good" (a plain translation), "attention" or "bad"."""
     i = 0
     while time.monotonic() < deadline:
         is_good = not (bad_every and i % bad_every == bad_every - 1)
+        kind = "good" if is_good else "bad"
         body = good[i % len(good)] if is_good else BAD_BODIES[(i // bad_every + offset) % len(BAD_BODIES)]
+        if is_good and attention_every and (i + offset) % attention_every == attention_every - 1:
+            kind, body = "attention", attention[i % len(attention)]
         req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
         start, wait_s = time.monotonic(), 0.0
         try:
@@ -82,7 +86,7 @@ def client(url: str, good: list[bytes], bad_every: int, deadline: float, timeout
                 wait_s = float(e.headers.get("Retry-After") or 1)
         except OSError:
             status = 0  # no answer (timeout, connection reset): lost
-        out.append((is_good, time.monotonic() - start, status))
+        out.append((kind, time.monotonic() - start, status))
         time.sleep(max(0.0, min(wait_s, deadline - time.monotonic())))
         i += 1
 
@@ -93,9 +97,13 @@ def run_load(url: str, sentences: list[str], args: argparse.Namespace) -> dict:
     deadline = time.monotonic() + args.duration_s
     start = time.monotonic()
     good = [json.dumps({"text": sentences[i: i + k]}).encode() for i in range(0, len(sentences) - k + 1, k)]
+    attention = [json.dumps({"text": [t], "attention": True}).encode() for t in sentences if 0 < len(t) < 200]
     bad_every = round(1 / args.bad_fraction) if args.bad_fraction > 0 else 0
+    att_frac = getattr(args, "attention_fraction", 0.0)
+    attention_every = round(1 / att_frac) if att_frac > 0 else 0
     threads = [threading.Thread(target=client, args=(url, good[c::args.clients] or good, bad_every, deadline,
-                                                       args.request_timeout_s, results[c], c))
+                                                       args.request_timeout_s, results[c], c, attention,
+                                                       attention_every))
                for c in range(args.clients)]
     for t in threads:
         t.start()
@@ -103,17 +111,21 @@ def run_load(url: str, sentences: list[str], args: argparse.Namespace) -> dict:
         t.join()
     wall = time.monotonic() - start
     done = [r for rs in results for r in rs]
-    ok = sorted(lat for good, lat, status in done if status == 200)
+    ok = sorted(lat for kind, lat, status in done if status == 200 and kind == "good")
     q = statistics.quantiles(ok, n=100) if len(ok) >= 2 else [float("nan")] * 99
-    bad = [status for good, _, status in done if not good]
+    att = sorted(lat for kind, lat, status in done if status == 200 and kind == "attention")
+    qa = statistics.quantiles(att, n=100) if len(att) >= 2 else [float("nan")] * 99
+    bad = [status for kind, _, status in done if kind == "bad"]
     return {"clients": args.clients, "sentences_per_request": k, "bad_fraction": args.bad_fraction,
+            "attention_fraction": att_frac,
             "duration_s": wall, "requests_sent": len(done), "requests_ok": len(ok),
             "statuses": dict(sorted(collections.Counter(str(s) for _, _, s in done).items())),
             "bad_requests_sent": len(bad), "bad_requests_4xx": sum(400 <= s < 500 for s in bad),
-            "good_requests_not_200": sum(s != 200 for good, _, s in done if good),
+            "good_requests_not_200": sum(s != 200 for kind, _, s in done if kind != "bad"),
             "requests_unanswered": sum(s == 0 for _, _, s in done),
             "requests_500": sum(s == 500 for _, _, s in done), "requests_per_s": len(ok) / wall,
-            "sentences_per_s": len(ok) * k / wall, "latency_p50_s": q[49], "latency_p99_s": q[98]}
+            "sentences_per_s": len(ok) * k / wall, "latency_p50_s": q[49], "latency_p99_s": q[98],
+            "attention_ok": len(att), "attention_p50_s": qa[49], "attention_p99_s": qa[98]}
 
 
 def main() -> None:
@@ -130,6 +142,9 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--ray-cpus", type=int, default=2)
+    p.add_argument("--attention-fraction", type=float, default=0.0,
+                   help="> 0: two rounds, without and then with this share of \"attention\": true requests; the "
+                        "plain requests' p99 of the second over the first (issue 38: <= 1.5x at 0.2, 16 clients)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -155,7 +170,12 @@ def main() -> None:
             res = {"backend": args.backend, "replicas": args.replicas, "max_batch_size": args.max_batch_size,
                    "max_ongoing_requests": limits.max_ongoing_requests,
                    "max_queued_requests": limits.max_queued_requests,
-                   "beam_size": args.beam, **run_load(url, sentences, args)}
+                   "beam_size": args.beam,
+                   **run_load(url, sentences, argparse.Namespace(**{**vars(args), "attention_fraction": 0.0}))}
+            if args.attention_fraction > 0:  # the same load again, a share of it asking for attention
+                res["with_attention"] = run_load(url, sentences, args)
+                res["plain_p99_ratio"] = res["with_attention"]["latency_p99_s"] / res["latency_p99_s"]
+                res["plain_p50_ratio"] = res["with_attention"]["latency_p50_s"] / res["latency_p50_s"]
         finally:
             serve.shutdown()
             ray.shutdown()
@@ -163,6 +183,12 @@ def main() -> None:
              "%d bad -> %d 4xx; %d unanswered", res["clients"], 100 * res["bad_fraction"], res["duration_s"],
              res["sentences_per_s"], res["latency_p50_s"], res["latency_p99_s"], res["statuses"],
              res["bad_requests_sent"], res["bad_requests_4xx"], res["requests_unanswered"])
+    if "with_attention" in res:
+        w = res["with_attention"]
+        log.info("with %.0f%% attention requests: plain p50 %.3f s (%.2fx), p99 %.3f s (%.2fx); attention p50 %.3f s, "
+                 "p99 %.3f s; %d unanswered, %d 500s", 100 * w["attention_fraction"], w["latency_p50_s"],
+                 res["plain_p50_ratio"], w["latency_p99_s"], res["plain_p99_ratio"], w["attention_p50_s"],
+                 w["attention_p99_s"], w["requests_unanswered"], w["requests_500"])
     print(json.dumps(res, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")

@@ -51,6 +51,9 @@ class ModelFiles:
     ct2_given: str = ""  # an explicit CTranslate2 folder (ct2_model=...), whatever its quantization
     # the text the model was trained on (pipeline.decoding.text.TextFormat: data.preprocess, languages)
     text: dict[str, str] = field(default_factory=dict)
+    # its score stage's numbers per split, when known (a config whose score stage finished): the
+    # Serve page states them beside the model
+    scores: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def ct2_model(self, quantization: str) -> str:
         if self.ct2_given:
@@ -135,6 +138,12 @@ def from_config(cfg: Any, origin: str) -> ModelFiles:
                        origin=f"{origin} (average {avg.key})",
                        text={k: getattr(cfg.data, k) for k in TEXT_KEYS})
     log.info("model of %s: %s", origin, avg.dir)
+    try:
+        score = finished_stages(cfg, ["score"], origin, found)["score"].outputs
+        files.scores = {split: {k: v for k, v in vals.items() if isinstance(v, (int, float)) or k.endswith("signature")}
+                        for split, vals in score.get("scores", {}).items()}
+    except ModelNotFound:
+        pass  # not scored (yet): the page says so
     try:
         export = finished_stages(cfg, ["export"], origin, found)["export"].outputs
     except ModelNotFound as e:  # the torch backend does not need it; asking for CTranslate2 says why

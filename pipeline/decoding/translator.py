@@ -74,10 +74,13 @@ class Translator:
         else:
             raise ValueError(f"translate: unknown backend {backend!r} ({' | '.join(typing.get_args(Backend))})")
 
-    def translate_ids(self, sources: Sequence[Sequence[int]]) -> list[str]:
-        """Model inputs (pieces + eos, no padding) -> detokenized hypotheses."""
-        s = self.settings
+    def translate_ids(self, sources: Sequence[Sequence[int]], settings: DecodeSettings | None = None) -> list[str]:
+        """Model inputs (pieces + eos, no padding) -> detokenized hypotheses; `settings` (our beam
+        search only): instead of the translator's own (a Serve request's beam_size or alpha)."""
+        s = settings or self.settings
         if self.ct2 is not None:
+            if settings is not None and settings != self.settings:
+                raise ValueError("the CTranslate2 engine decodes with the settings it was built with")
             return [self.detokenize(ids) for ids in self.ct2.translate_ids(sources)]
         src = pad_batch(sources, self.cfg.pad_id).to(self.device)
         out = beam_search(self.model, src, beam_size=s.beam_size, alpha=s.alpha,
@@ -88,17 +91,21 @@ class Translator:
         text = self.sp.decode([int(t) for t in ids if t not in self._specials])
         return " ".join(text.split())  # one line per sentence, whatever the pieces held
 
-    def translate_safely(self, sources: list[list[int]]) -> tuple[list[str], list[bool]]:
+    def translate_safely(self, sources: list[list[int]], settings: DecodeSettings | None = None
+                         ) -> tuple[list[str], list[bool]]:
         """A failing batch (e.g. out of memory) is retried one sentence at a time; a sentence
         that still fails gets an empty line and ``failed=True`` (the stage reports them)."""
+        def decode(batch: list[list[int]]) -> list[str]:
+            return self.translate_ids(batch) if settings is None else self.translate_ids(batch, settings)
+
         try:
-            return self.translate_ids(sources), [False] * len(sources)
+            return decode(sources), [False] * len(sources)
         except Exception:  # noqa: BLE001 - every failure is logged and counted, never hidden
             log.exception("translate: a batch of %d sentences failed; retrying one by one", len(sources))
         hyps, failed = [], []
         for s in sources:
             try:
-                hyps.append(self.translate_ids([s])[0])
+                hyps.append(decode([s])[0])
                 failed.append(False)
             except Exception:  # noqa: BLE001
                 log.exception("translate: a sentence of %d tokens failed", len(s))

@@ -1,7 +1,8 @@
 """Heatmaps of what the averaged model attends to, for a few test sentences (``score``).
 
 For each chosen sentence, its source pieces and the model's own translation (the hypothesis
-``translate`` wrote, re-encoded) go through ``model.attention.attention_weights`` once, and two
+``translate`` wrote, re-encoded) go through ``pipeline.decoding.attention.translation_attention``
+once (the Serve app's ``"attention": true`` calls it too), and two
 figures are drawn with the pieces as axis labels, one panel per layer (rows) and head (columns):
 - ``attention-<i>-cross.png``: decoder cross-attention (rows: target pieces, columns: source
   pieces): which source words each generated word looks at;
@@ -60,21 +61,16 @@ def attention_figures(model_path: str, model_config: dict[str, Any], spm_path: s
     names, the sentence, its translation)."""
     import sentencepiece as spm
 
-    from model.attention import attention_weights
     from pipeline import storage
+    from pipeline.decoding.attention import translation_attention
     from pipeline.decoding.translator import load_model
 
     sp = spm.SentencePieceProcessor(model_file=str(storage.local_copy(spm_path)))
     model = load_model(model_path, model_config)
-    cfg = model.cfg
     out = []
     for n, i in enumerate(pick_sentences(src_ids, hyps, count)):
-        src = list(src_ids[i]) + [cfg.eos_id]
-        tgt = [cfg.bos_id] + sp.encode(hyps[i], out_type=int)
-        maps = attention_weights(model, src, tgt)
-        src_pieces = [sp.id_to_piece(t) for t in src_ids[i]] + ["</s>"]
-        # Row t of a decoder map is the query that produces output piece t: label rows by it.
-        tgt_pieces = [sp.id_to_piece(t) for t in tgt[1:]] + ["</s>"]
+        att = translation_attention(model, sp, src_ids[i], hyps[i])  # the Serve app's numbers too
+        maps, src_pieces, tgt_pieces = att.maps, att.src_pieces, att.tgt_pieces
         source = sp.decode(list(src_ids[i]))
         files = {}
         for kind, name in (("cross", "cross"), ("encoder_self", "encoder")):

@@ -37,14 +37,16 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse
 from ray import serve
 
 from pipeline.config import DecodeSettings
-from pipeline.serve.request import parse_request, read_body
+from pipeline.serve.request import MAX_ALPHA, parse_translate, read_body
 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
+PAGE = (Path(__file__).with_name("page.html")).read_text(encoding="utf-8")  # self-contained: no CDN, no build
 # Where the object store is (not who may read it): replicas read the model where the driver found
 # it; credentials come from each node's own environment or instance role, as for every Ray worker.
 STORE_LOCATION_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
@@ -78,6 +80,8 @@ class ServeSettings(DecodeSettings):
     max_sentences_per_request: int = 64
     max_sentence_chars: int = 2000
     max_request_bytes: int = 1 << 20  # 64 sentences * 2000 characters fit even as \uXXXX escapes
+    max_beam_size: int = 8  # a request's "beam_size" (our beam search) may go up to this
+    max_attention_pieces: int = 128  # "attention": true for a sentence of at most this many source pieces
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "ServeSettings":
@@ -93,7 +97,8 @@ class ServeSettings(DecodeSettings):
         if s.max_replicas and not 0 <= s.min_replicas <= s.max_replicas:
             raise ConfigError(f"serve arguments: need 0 <= min_replicas ({s.min_replicas}) <= max_replicas "
                               f"({s.max_replicas})")
-        for key in ("max_ongoing_requests", "max_request_bytes", "max_batch_size", "num_replicas"):
+        for key in ("max_ongoing_requests", "max_request_bytes", "max_batch_size", "num_replicas", "max_beam_size",
+                    "max_attention_pieces"):
             if getattr(s, key) < 1:
                 raise ConfigError(f"serve argument {key}={getattr(s, key)}: must be >= 1")
         return s
@@ -130,14 +135,19 @@ class Translation:
         from pipeline.decoding import translator
 
         self.s = ServeSettings(**settings)
-        files = find_files(self.s)
+        self.files = files = find_files(self.s)
         kwargs = translator_kwargs(self.s, files)
         self.tr = translator.Translator(**kwargs)
+        self.attention_model = None  # our model for "attention": true (the CTranslate2 backend loads it then)
         self.max_source_len = max_source_len(self.tr.cfg.max_positions, self.s.max_len_a, self.s.max_len_b)
         self.info = {"backend": self.s.backend, "model": kwargs["ct2_model"] or kwargs["model_path"],
                      "origin": files.origin, "text": self.tr.text.to_dict(),
                      **dataclasses.asdict(DecodeSettings.of(self.s)),
-                     "max_batch_size": self.s.max_batch_size}
+                     "max_batch_size": self.s.max_batch_size, "max_beam_size": self.s.max_beam_size,
+                     "max_alpha": MAX_ALPHA, "max_attention_pieces": self.s.max_attention_pieces,
+                     "max_sentence_chars": self.s.max_sentence_chars, "scores": files.scores,
+                     "model_config": {k: self.tr.cfg.to_dict()[k] for k in ("d_model", "n_heads", "n_encoder_layers",
+                                                                             "n_decoder_layers", "vocab_size")}}
         self.translate_one.set_max_batch_size(self.s.max_batch_size)
         self.translate_one.set_batch_wait_timeout_s(self.s.batch_wait_timeout_s)
         log.info("translation replica ready: %s", self.info)
@@ -150,22 +160,68 @@ class Translation:
         return [None if f else h for h, f in zip(hyps, failed)]
 
     @api.post("/translate")
-    async def translate(self, request: Request) -> dict[str, list[str]]:
+    async def translate(self, request: Request) -> dict[str, Any]:
         body = await read_body(request.headers, request.stream(), self.s.max_request_bytes)
-        sentences = parse_request(body, self.s.max_sentences_per_request, self.s.max_sentence_chars)
-        ids = [self.tr.sp.encode(s) for s in self.tr.text.sources(sentences)]  # as the training text was
+        req = parse_translate(body, self.s.max_sentences_per_request, self.s.max_sentence_chars, self.s.max_beam_size)
+        ids = [self.tr.sp.encode(s) for s in self.tr.text.sources(req.sentences)]  # as the training text was
         for i, p in enumerate(ids):
             if len(p) + 1 > self.max_source_len:
                 raise HTTPException(413, f'"text"[{i}] is {len(p) + 1} pieces long (eos included); '
                                          f"the model takes at most {self.max_source_len}")
+        if req.attention:
+            self._check_attention(ids[0])
+        settings = self._settings(req)
         real = [i for i, p in enumerate(ids) if p]
-        outs = await asyncio.gather(*(self.translate_one(ids[i] + [self.tr.cfg.eos_id]) for i in real))
+        if settings is None:  # the server's settings: batched with other requests' sentences
+            outs = await asyncio.gather(*(self.translate_one(ids[i] + [self.tr.cfg.eos_id]) for i in real))
+        else:  # its own beam size or alpha: decoded on its own, in a thread
+            hyps, failed = await asyncio.to_thread(self.tr.translate_safely,
+                                                   [ids[i] + [self.tr.cfg.eos_id] for i in real], settings)
+            outs = [None if f else h for h, f in zip(hyps, failed)]
         if any(o is None for o in outs):
             raise HTTPException(500, "decoding failed for a sentence of this request (see the replica log)")
-        translations = [""] * len(sentences)  # an empty sentence translates to ""
+        translations = [""] * len(req.sentences)  # an empty sentence translates to ""
         for i, o in zip(real, outs):
             translations[i] = self.tr.text.output(o)
-        return {"translations": translations}
+        answer: dict[str, Any] = {"translations": translations}
+        if req.attention:
+            att = await asyncio.to_thread(self._attention, ids[0], outs[0])
+            answer["attention"] = att.to_json()
+        return answer
+
+    def _settings(self, req: Any) -> DecodeSettings | None:
+        """The request's decode settings when they differ from the server's (None: the server's)."""
+        server = DecodeSettings.of(self.s)
+        asked = dataclasses.replace(server, **{k: v for k, v in (("beam_size", req.beam_size), ("alpha", req.alpha))
+                                               if v is not None})
+        if asked == server:
+            return None
+        if self.s.backend != "torch":
+            raise HTTPException(422, f'"beam_size" and "alpha" per request need backend=torch; this server runs '
+                                     f"{self.s.backend} with beam_size {server.beam_size}, alpha {server.alpha}")
+        return asked
+
+    def _check_attention(self, pieces: list[int]) -> None:
+        if not pieces:
+            raise HTTPException(422, '"attention": true needs a sentence with some text: "text"[0] has none')
+        if len(pieces) + 1 > self.s.max_attention_pieces:
+            raise HTTPException(413, f'"attention": true is given for sentences of at most {self.s.max_attention_pieces} '
+                                     f'pieces (eos included; max_attention_pieces); "text"[0] has {len(pieces) + 1}')
+
+    def _attention(self, pieces: list[int], hypothesis: str) -> Any:
+        """`pipeline.decoding.attention.translation_attention`: the function the score report draws with."""
+        from pipeline.decoding.attention import translation_attention
+        from pipeline.decoding.translator import load_model
+
+        if self.attention_model is None:
+            self.attention_model = getattr(self.tr, "model", None) or load_model(self.files.model,
+                                                                                 self.files.model_config)
+        return translation_attention(self.attention_model, self.tr.sp, pieces, hypothesis)
+
+    @api.get("/", response_class=HTMLResponse)
+    async def page(self) -> HTMLResponse:
+        """The page: a sentence in, its translation and attention out (pipeline/serve/page.html)."""
+        return HTMLResponse(PAGE)
 
     @api.get("/health")
     async def health(self) -> dict[str, Any]:

@@ -10,16 +10,23 @@ that says what and where:
   levels, and duplicate keys (400). Duplicate keys are refused, not resolved: parsers disagree on
   which one wins, so a client and this server could read different requests;
 - not an object with a list of strings under ``"text"``, unknown keys (``{"text": [...],
-  "beam": 100}``: the decoding settings are the server's, and a client expecting one to apply
-  must learn that it does not), an empty list, a non-string, a string with a lone surrogate
-  (``"\\ud800"``: no Unicode text, SentencePiece cannot encode it) (422);
+  "beam": 100}``: a client expecting a setting to apply must learn that it does not), an empty
+  list, a non-string, a string with a lone surrogate (``"\\ud800"``: no Unicode text,
+  SentencePiece cannot encode it) or a control character other than tab (422);
 - more sentences than ``max_sentences`` or a sentence over ``max_chars`` characters (413).
+
+Optional keys (``parse_translate``): ``"attention": true`` (the attention of the translation of
+one sentence: more than one is a 422 naming the limit), ``"beam_size"`` (an integer, 1 to the
+server's ``max_beam_size``) and ``"alpha"`` (a number, 0 to ``MAX_ALPHA``); out of range is a 422
+naming the range.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import unicodedata
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import HTTPException
@@ -95,15 +102,54 @@ def parse_json(body: bytes) -> Any:
     return payload
 
 
-def parse_request(body: bytes, max_sentences: int, max_chars: int) -> list[str]:
-    """The sentences of a request body, or an HTTPException naming what is wrong with it."""
+MAX_ALPHA = 5.0  # the length penalty's exponent a client may ask for (GNMT's alpha; §6.1 uses 0.6)
+OPTIONAL = ("attention", "beam_size", "alpha")
+
+
+@dataclass(frozen=True)
+class TranslateRequest:
+    """A checked request: its sentences and what it asked for beyond them (None: the server's)."""
+
+    sentences: list[str]
+    attention: bool = False
+    beam_size: int | None = None
+    alpha: float | None = None
+
+
+def parse_translate(body: bytes, max_sentences: int, max_chars: int, max_beam_size: int) -> TranslateRequest:
+    """A request body checked (the module doc), or an HTTPException naming what is wrong with it."""
     payload = parse_json(body)
+    sentences = _sentences(payload, max_sentences, max_chars, OPTIONAL)
+    attention = payload.get("attention", False)
+    if not isinstance(attention, bool):
+        raise HTTPException(422, f'"attention" must be true or false, got {attention!r}')
+    if attention and len(sentences) != 1:
+        raise HTTPException(422, f'"attention": true is given for one sentence per request; this one has '
+                                 f"{len(sentences)} (limit: 1 sentence)")
+    beam = payload.get("beam_size")
+    if beam is not None and (isinstance(beam, bool) or not isinstance(beam, int) or not 1 <= beam <= max_beam_size):
+        raise HTTPException(422, f'"beam_size" must be an integer from 1 to {max_beam_size} (this server\'s '
+                                 f"max_beam_size), got {beam!r}")
+    alpha = payload.get("alpha")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                              or not 0.0 <= alpha <= MAX_ALPHA):
+        raise HTTPException(422, f'"alpha" must be a number from 0 to {MAX_ALPHA}, got {alpha!r}')
+    return TranslateRequest(sentences, attention, beam, None if alpha is None else float(alpha))
+
+
+def parse_request(body: bytes, max_sentences: int, max_chars: int) -> list[str]:
+    """The sentences of a request body that may hold only "text", or an HTTPException naming what is wrong."""
+    return _sentences(parse_json(body), max_sentences, max_chars, ())
+
+
+def _sentences(payload: Any, max_sentences: int, max_chars: int, optional: tuple[str, ...]) -> list[str]:
     if not isinstance(payload, dict) or "text" not in payload:
         raise HTTPException(422, 'request body must be a JSON object {"text": [sentence, ...]}')
-    unknown = sorted(set(payload) - {"text"})
+    unknown = sorted(set(payload) - {"text", *optional})
     if unknown:
+        takes = " and optionally " + ", ".join(f'"{k}"' for k in optional) if optional else " only"
         raise HTTPException(422, f"unknown key(s) in the request body: {', '.join(map(repr, unknown))}; a request "
-                                 'takes only "text" (decoding settings are the server\'s, see GET /health)')
+                                 f'takes "text"{takes} (the other decoding settings are the server\'s, see GET /health)')
     sentences = payload["text"]
     if not isinstance(sentences, list):
         raise HTTPException(422, f'"text" must be a list of strings, got {type(sentences).__name__}')
@@ -121,4 +167,8 @@ def parse_request(body: bytes, max_sentences: int, max_chars: int) -> list[str]:
         except UnicodeEncodeError as e:
             raise HTTPException(422, f'"text"[{i}] holds a lone surrogate (U+{ord(s[e.start]):04X} at character '
                                      f"{e.start}): not Unicode text") from None
+        bad = next((j for j, c in enumerate(s) if c != "\t" and unicodedata.category(c) == "Cc"), None)
+        if bad is not None:
+            raise HTTPException(422, f'"text"[{i}] holds a control character (U+{ord(s[bad]):04X} at character '
+                                     f"{bad}): one sentence of text per entry, no line breaks or control codes")
     return sentences

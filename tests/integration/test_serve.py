@@ -132,6 +132,14 @@ def test_concurrent_clients_each_get_their_own_sentences_translated(server, tiny
     (b'{"text": ["a"], "text": ["b"]}', 400, "duplicate key 'text'"),
     (_json({"text": ["a"], "beam": 100}), 422, "unknown key(s) in the request body: 'beam'"),
     (_json({"text": ["a" * 10] * 3, "pad": "x" * MAX_BYTES}), 413, f"(Content-Length); at most {MAX_BYTES}"),
+    # The page's options (issue 38): attention for one sentence of a bounded length, the limits named.
+    (_json({"text": ["a", "b"], "attention": True}), 422, "one sentence per request; this one has 2"),
+    (_json({"text": ["word " * 70], "attention": True}), 413, "at most 128 pieces (eos included; max_attention_pieces)"),
+    (_json({"text": ["   "], "attention": True}), 422, "needs a sentence with some text"),
+    (_json({"text": [""], "attention": True}), 422, "needs a sentence with some text"),
+    (_json({"text": ["a\u0000b"]}), 422, '"text"[0] holds a control character (U+0000'),
+    (_json({"text": ["x" * 10_000]}), 413, '"text"[0] has 10000 characters'),
+    (_json({"text": ["a"], "beam_size": 99}), 422, "from 1 to 8 (this server's max_beam_size)"),
 ])
 def test_bad_input_gets_a_4xx_naming_it_and_the_replica_keeps_serving(server, body, status, words):
     got, out = _post(f"{server}/translate", body)
@@ -234,3 +242,129 @@ def test_an_overloaded_replica_answers_503_with_retry_after(server, tiny_model, 
         assert _post(f"{server}/{name}/translate", _json({"text": en[:1]}))[0] == 200  # and it serves on
     finally:
         serve.delete(name)
+
+
+def test_attention_is_the_score_stages_function_and_rows_sum_to_one(server, tiny_model, wmt14_dir):
+    """`"attention": true` returns what `pipeline.decoding.attention.translation_attention` (the
+    score report's heatmaps) gives for the same model, sentence and translation, exactly."""
+    import sentencepiece as spm
+
+    from pipeline.decoding.attention import translation_attention
+    from pipeline.decoding.translator import load_model
+
+    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[5]
+    status, out = _post(f"{server}/translate", _json({"text": [sentence], "attention": True}))
+    assert status == 200, out
+    plain = _post(f"{server}/translate", _json({"text": [sentence]}))[1]
+    assert out["translations"] == plain["translations"] and "attention" not in plain  # the same translation
+    sp = spm.SentencePieceProcessor(model_file=tiny_model["spm"])
+    model = load_model(tiny_model["model"], tiny_model["model_config"])
+    want = translation_attention(model, sp, sp.encode(sentence), out["translations"][0]).to_json()
+    assert out["attention"] == want
+    att = out["attention"]
+    S, T, L = len(att["src_pieces"]), len(att["tgt_pieces"]), model.cfg.n_decoder_layers
+    shapes = {"encoder_self": (S, S), "decoder_self": (T, T), "cross": (T, S)}
+    for kind, (rows, cols) in shapes.items():
+        maps = att[kind]
+        assert (len(maps), len(maps[0]), len(maps[0][0]), len(maps[0][0][0])) == (L, model.cfg.n_heads, rows, cols)
+        assert all(abs(sum(r) - 1.0) < 1e-5 for layer in maps for head in layer for r in head)
+
+
+def test_a_request_may_set_its_beam_and_alpha_within_the_limits(server, tiny_model, wmt14_dir):
+    from pipeline.decoding.translator import Translator
+
+    en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[6:8]
+    status, out = _post(f"{server}/translate", _json({"text": en, "beam_size": 1, "alpha": 1.0}))
+    assert status == 200, out
+    greedy = Translator(tiny_model["model"], tiny_model["model_config"], tiny_model["spm"],
+                        {"beam_size": 1, "alpha": 1.0, "max_len_a": 1.0, "max_len_b": MAX_LEN_B})
+    assert out["translations"] == greedy.translate_ids([greedy.sp.encode(s) + [3] for s in en])
+
+
+def test_the_page_is_served_self_contained(server):
+    with urllib.request.urlopen(f"{server}/", timeout=30) as r:
+        page = r.read().decode()
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
+    assert 'id="translate"' in page and 'fetch("translate"' in page
+    assert "http://" not in page and "https://" not in page and "<link" not in page  # nothing from elsewhere
+    with urllib.request.urlopen(f"{server}/health", timeout=30) as r:
+        info = json.loads(r.read())
+    assert info["max_beam_size"] == 8 and info["max_attention_pieces"] == 128 and info["model_config"]["n_heads"] == 4
+
+
+def _browser():
+    """Headless Chromium driven by Selenium, or a skip saying why there is none (.ci/run installs it)."""
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    driver = shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip(f"NO BROWSER HERE: chromium={chromium}, chromedriver={driver}; .ci/run installs Debian's chromium "
+                    "and chromium-driver (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1400,1000"):
+        opts.add_argument(flag)
+    return webdriver.Chrome(service=Service(driver), options=opts)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    b = _browser()
+    try:
+        yield b
+    finally:
+        b.quit()
+
+
+def _wait(browser, predicate, timeout_s: float = 60.0):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(browser, timeout_s).until(lambda d: predicate(d))
+
+
+def test_the_page_translates_and_draws_the_apis_attention(server, browser, wmt14_dir, tmp_path):
+    """A real browser: type, click Translate; the translation shown is the API's, and the heatmap's
+    cells for one head are the API's weights."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[9]
+    api = _post(f"{server}/translate", _json({"text": [sentence], "attention": True}))[1]
+    browser.get(f"{server}/")
+    _wait(browser, lambda d: "Model:" in d.find_element(By.ID, "model").text)
+    assert "d_model 64, 4 heads" in browser.find_element(By.ID, "model").text
+    browser.find_element(By.ID, "source").send_keys(sentence)
+    browser.find_element(By.ID, "translate").click()
+    _wait(browser, lambda d: d.find_element(By.ID, "translation").text.strip() != "")
+    assert browser.find_element(By.ID, "translation").text == api["translations"][0].strip()
+    Select(browser.find_element(By.ID, "kind")).select_by_value("cross")
+    Select(browser.find_element(By.ID, "layer")).select_by_value("1")
+    Select(browser.find_element(By.ID, "head")).select_by_value("2")
+    cells = browser.execute_script(
+        "return [...document.querySelectorAll('#heatmap td.cell')].map(c => [+c.dataset.row, +c.dataset.col, c.dataset.w])")
+    want = api["attention"]["cross"][1][2]
+    assert len(cells) == len(want) * len(want[0])
+    assert all(float(w) == want[r][c] for r, c, w in cells)  # the double the API sent, as JS printed it
+    labels = browser.execute_script("return [...document.querySelectorAll('#heatmap th.col')].map(t => t.textContent)")
+    assert labels == api["attention"]["src_pieces"]
+    Select(browser.find_element(By.ID, "head")).select_by_value("all")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#grid .mini canvas")) == 4
+    browser.save_screenshot(str(tmp_path / "page.png"))
+
+
+def test_the_page_names_the_limit_a_sentence_breaks(server, browser):
+    from selenium.webdriver.common.by import By
+
+    browser.get(f"{server}/")
+    _wait(browser, lambda d: "Model:" in d.find_element(By.ID, "model").text)
+    browser.find_element(By.ID, "source").send_keys("word " * 70)
+    browser.find_element(By.ID, "translate").click()
+    _wait(browser, lambda d: d.find_element(By.ID, "error").text != "")
+    assert browser.find_element(By.ID, "error").text.startswith("413: ")
+    assert "at most 128 pieces" in browser.find_element(By.ID, "error").text

@@ -10,7 +10,7 @@ import json
 import pytest
 from fastapi import HTTPException
 
-from pipeline.serve.request import MAX_JSON_DEPTH, parse_request, read_body
+from pipeline.serve.request import MAX_JSON_DEPTH, TranslateRequest, parse_request, parse_translate, read_body
 
 
 def _refused(body: bytes) -> HTTPException:
@@ -84,3 +84,33 @@ def test_body_size_is_checked_while_streaming():
     assert e.value.status_code == 413 and "over 100 bytes (stopped reading at 120)" in e.value.detail
     assert len(given) == 3  # stopped at the first chunk past the limit
     assert _read({}, [b"ab", b"cd"], 4) == b"abcd"
+
+
+def _translate(body: bytes):
+    return parse_translate(body, max_sentences=4, max_chars=50, max_beam_size=8)
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b'{"text": ["a", "b"], "attention": true}', 422, "one sentence per request; this one has 2 (limit: 1 sentence)"),
+    (b'{"text": ["a"], "attention": 1}', 422, '"attention" must be true or false'),
+    (b'{"text": ["a"], "beam_size": 9}', 422, '"beam_size" must be an integer from 1 to 8'),
+    (b'{"text": ["a"], "beam_size": 0}', 422, '"beam_size" must be an integer from 1 to 8'),
+    (b'{"text": ["a"], "beam_size": 2.0}', 422, '"beam_size" must be an integer'),
+    (b'{"text": ["a"], "beam_size": true}', 422, '"beam_size" must be an integer'),
+    (b'{"text": ["a"], "alpha": -0.1}', 422, '"alpha" must be a number from 0 to 5.0'),
+    (b'{"text": ["a"], "alpha": "1"}', 422, '"alpha" must be a number'),
+    (b'{"text": ["a"], "beam": 4}', 422, "unknown key(s) in the request body: 'beam'; a request takes \"text\" and "
+                                         'optionally "attention", "beam_size", "alpha"'),
+    (b'{"text": ["two\\nlines"]}', 422, '"text"[0] holds a control character (U+000A at character 3)'),
+    (b'{"text": ["ok", "bell\\u0007"]}', 422, '"text"[1] holds a control character (U+0007 at character 4)'),
+])
+def test_each_bad_translate_request_is_refused_by_name(body, status, words):
+    with pytest.raises(HTTPException) as e:
+        _translate(body)
+    assert e.value.status_code == status and words in e.value.detail, e.value.detail
+
+
+def test_a_translate_request_with_its_options():
+    assert _translate(b'{"text": ["a\\tb"]}') == TranslateRequest(["a\tb"])  # a tab is text
+    got = _translate(b'{"text": ["Hallo"], "attention": true, "beam_size": 8, "alpha": 1}')
+    assert got == TranslateRequest(["Hallo"], True, 8, 1.0) and isinstance(got.alpha, float)
