@@ -48,15 +48,20 @@ def test_attention_context_on_a_cpu():
     with make():  # only the math kernel allowed: the result is still attention
         out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q, is_causal=True))
-    with pytest.raises(RuntimeError):  # and it is enforced: cuDNN's kernel alone does not run on a CPU
-        with attention.attention_context("cudnn", torch.device("cpu"), 4, 32, torch.float32)[0]():
-            F.scaled_dot_product_attention(q, q, q)
+    # cuDNN first cannot run on a CPU: the call falls back to the next in the list instead of failing
+    # (as flash, which takes no padding mask, falls back for the encoder's and the cross-attention's calls).
+    mask = torch.tensor([[True] * 6 + [False] * 2, [True] * 8])[:, None, None, :]
+    with attention.attention_context("cudnn", torch.device("cpu"), 4, 32, torch.float32)[0]():
+        masked = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    torch.testing.assert_close(masked, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+    assert attention.priority("flash")[0] == torch.nn.attention.SDPBackend.FLASH_ATTENTION
+    assert attention.priority("flash")[-1] == torch.nn.attention.SDPBackend.MATH and len(attention.priority("math")) == 4
 
 
-def test_fastest_times_the_runnable_backends_and_skips_the_rest():
+def test_fastest_times_each_backend_first_with_its_fallbacks():
     best, timings = attention.fastest(("math", "flash", "cudnn"), (4, 2, 16, 8), torch.device("cpu"), torch.float32)
-    assert timings["cudnn"] == float("inf")  # no cuDNN on a CPU: cannot run, never chosen
-    assert best in ("math", "flash") and timings[best] == min(timings.values()) < float("inf")
+    assert set(timings) == {"math", "flash", "cudnn"} and all(t < float("inf") for t in timings.values())
+    assert timings[best] == min(timings.values())
 
 
 def test_the_fused_loss_trains_as_the_plain_projection(shards, tmp_path):  # noqa: F811
