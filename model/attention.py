@@ -4,8 +4,8 @@ every layer and head, for one sentence pair, as the paper draws them (Figures 3-
 The model's forward pass never materializes these weights (it calls
 ``F.scaled_dot_product_attention``, which returns only the weighted values). ``attention_weights``
 runs one teacher-forced forward pass of a sentence pair while each attention call also computes
-its weights from the same queries, keys, mask and scale it was given; the pass's own outputs are
-unchanged. One sentence at a time, so no padding enters any row. Torch only.
+its weights from the same queries, keys, mask and scale it was given (`transformer.
+recording_attention`, thread-local); the pass's own outputs are unchanged. One sentence at a time, so no padding enters any row. Torch only.
 """
 
 from __future__ import annotations
@@ -37,31 +37,26 @@ def attention_weights(model: _tr.Transformer, src_ids: Sequence[int], tgt_in_ids
                       ) -> dict[str, torch.Tensor]:
     """One pair: ``src_ids`` = pieces + [eos], ``tgt_in_ids`` = [bos] + pieces (e.g. the model's own
     translation). Returns {"encoder_self": (L_enc, h, S, S), "decoder_self": (L_dec, h, T, T),
-    "cross": (L_dec, h, T, S)}: row i of a map is query position i's distribution over the keys."""
-    labels: list[str] = []
-    found: dict[str, list[torch.Tensor]] = {kind: [] for kind in KINDS}
-    hooks = []
-    modules = [(layer.self_attn, "encoder_self") for layer in model.encoder_layers]
-    modules += [(m, kind) for layer in model.decoder_layers
-                for m, kind in ((layer.self_attn, "decoder_self"), (layer.cross_attn, "cross"))]
-    for module, kind in modules:
-        hooks.append(module.register_forward_pre_hook(lambda _m, _a, kind=kind: labels.append(kind)))
+    "cross": (L_dec, h, T, S)}: row i of a map is query position i's distribution over the keys.
 
-    sdpa = _tr._sdpa
+    The pass calls attention in a fixed order (every encoder layer's, then each decoder layer's
+    self- and cross-attention), recorded for this thread only (`recording_attention`): a server
+    may decode other requests with the same model meanwhile."""
+    calls: list[torch.Tensor] = []
 
-    def recording_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, **kw):
-        found[labels[-1]].append(_weights(q, k, attn_mask, is_causal, scale)[0])  # (h, Tq, Tk)
-        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **kw)
+    def record(q, k, attn_mask, is_causal, scale):
+        calls.append(_weights(q, k, attn_mask, is_causal, scale)[0])  # (h, Tq, Tk)
 
-    was_training = model.training
+    was_training = model.training  # no dropout in the pass (a served model is in eval mode already)
     model.eval()
-    _tr._sdpa = recording_sdpa
+    device = next(model.parameters()).device
     try:
-        device = next(model.parameters()).device
-        model(torch.tensor([list(src_ids)], device=device), torch.tensor([list(tgt_in_ids)], device=device))
+        with _tr.recording_attention(record):
+            model(torch.tensor([list(src_ids)], device=device), torch.tensor([list(tgt_in_ids)], device=device))
     finally:
-        _tr._sdpa = sdpa
-        for h in hooks:
-            h.remove()
         model.train(was_training)
+    n_enc, n_dec = len(model.encoder_layers), len(model.decoder_layers)
+    if len(calls) != n_enc + 2 * n_dec:
+        raise RuntimeError(f"attention_weights: {len(calls)} attention calls, expected {n_enc + 2 * n_dec}")
+    found = {"encoder_self": calls[:n_enc], "decoder_self": calls[n_enc::2], "cross": calls[n_enc + 1::2]}
     return {kind: torch.stack(maps).cpu() for kind, maps in found.items()}

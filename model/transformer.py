@@ -15,9 +15,11 @@ Padding is on the right; `pad_id` marks it. Boolean attention masks follow
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar, Iterator
 
 import torch
 import torch.nn as nn
@@ -128,11 +130,28 @@ def _add(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return y.add_(x) if y.dtype == x.dtype else x + y
 
 
+_RECORDER = threading.local()  # this thread's `recording_attention` callback, if any
+
+
+@contextlib.contextmanager
+def recording_attention(record: Callable[..., None]) -> Iterator[None]:
+    """Within it, every attention call of this thread first calls record(q, k, attn_mask,
+    is_causal, scale) (`model.attention.attention_weights`). Thread-local: a server decoding other
+    requests with the same model in other threads is neither seen nor disturbed."""
+    _RECORDER.record = record
+    try:
+        yield
+    finally:
+        _RECORDER.record = None
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
     """`F.scaled_dot_product_attention`, but in fp32 for bf16 inputs on CPU that need gradients:
     torch 2.13's CPU flash-attention backward in bf16 is ~7x slower than in fp32 (24 vs 3.3 ms
     at B 64, h 4, T 40, hs 32), which made a bf16 training step slower than an fp32 one at
     d_model 128; the matmuls around it stay bf16. (Autocast would cast fp32 inputs back to bf16.)"""
+    if not torch.compiler.is_compiling() and getattr(_RECORDER, "record", None) is not None:
+        _RECORDER.record(q, k, kw.get("attn_mask"), kw.get("is_causal", False), kw.get("scale"))
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.requires_grad:  # (False under no_grad)
         with torch.autocast("cpu", enabled=False):
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kw).to(q.dtype)

@@ -72,3 +72,33 @@ def test_unequal_head_widths(d_k, d_v):
     maps = attention_weights(_model(d_k=d_k, d_v=d_v), [5, 9, 3], [2, 8, 13])
     for m in maps.values():
         torch.testing.assert_close(m.sum(-1), torch.ones(m.shape[:-1]))
+
+
+def test_other_threads_using_the_model_meanwhile_change_nothing():
+    """The Serve app computes attention while its replica decodes other requests with the same
+    model in other threads: their attention calls must neither enter nor disturb the maps."""
+    import threading
+
+    model = _model()
+    src, tgt = [5, 9, 7, 3], [2, 8, 13]
+    want = attention_weights(model, src, tgt)
+    stop = threading.Event()
+
+    def busy():
+        other = torch.tensor([[6, 6, 12, 11, 4, 3]])
+        while not stop.is_set():
+            with torch.no_grad():
+                model(other, torch.tensor([[2, 9, 9, 10]]))
+
+    threads = [threading.Thread(target=busy) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(30):
+            got = attention_weights(model, src, tgt)
+            for kind in want:
+                torch.testing.assert_close(got[kind], want[kind], rtol=0, atol=0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
