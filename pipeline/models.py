@@ -170,7 +170,10 @@ def from_registry(model_uri: str, tracking_uri: str = "", dst: str | None = None
         raise ModelNotFound(f"{model_uri}: not a version the register stage made (no artifacts/{registry.OURS}/model.pt)")
     ct2 = {p.name[len("ct2-"):]: str(p) for p in sorted(art.glob("ct2-*")) if p.is_dir()}  # as register wrote them
     text = storage.read_json(str(ours / "text.json")) if (ours / "text.json").exists() else {}  # older versions: none
+    import os
+
+    scores = registry.version_scores(model_uri, tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""))
     return ModelFiles(str(ours / "model.pt"), storage.read_json(str(ours / "model_config.json")),
                       str(ours / "spm.model"), origin=model_uri, ct2=ct2, text=text,
                       hf=str(art / "hf") if (art / "hf").is_dir() else "",
-                      no_ct2="" if ct2 else "the version holds no CTranslate2 model")
+                      no_ct2="" if ct2 else "the version holds no CTranslate2 model", scores=scores)

@@ -83,6 +83,20 @@ def resolve_uri(model_uri: str, tracking_uri: str) -> Any:
     return client.get_model_version(m["name"], m["version"])
 
 
+def version_scores(model_uri: str, tracking_uri: str) -> dict[str, dict[str, float]]:
+    """The test/dev scores the register stage wrote as the version's tags (``test/bleu_sacre``,
+    ...): {split: {metric: value}}, numbers only ({} for a version without them)."""
+    scores: dict[str, dict[str, float]] = {}
+    for key, value in resolve_uri(model_uri, tracking_uri).tags.items():
+        split, _, metric = key.partition("/")
+        if split in ("test", "dev") and metric:
+            try:
+                scores.setdefault(split, {})[metric] = float(value)
+            except ValueError:
+                pass  # signatures and details: text
+    return scores
+
+
 def download_version(model_uri: str, tracking_uri: str = "", dst: str | None = None) -> Path:
     """A local folder with the version's files (its MLmodel, code and ``artifacts/``)."""
     import os

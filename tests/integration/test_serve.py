@@ -221,6 +221,10 @@ def test_serve_a_registry_version(server, tiny_model, tiny_export, tmp_path, wmt
     args = {"model": f"models:/{NAME}@champion", "tracking_uri": uri, "beam_size": "2", "max_len_b": str(MAX_LEN_B)}
     try:
         _same_answers(server, _deploy("registry", args), wmt14_dir)
+        with urllib.request.urlopen(f"{server}/registry/health", timeout=30) as r:  # what the page states
+            info = json.loads(r.read())
+        assert info["origin"] == f"models:/{NAME}@champion"
+        assert info["scores"] == {"test": {"bleu_sacre": 1.5, "chrf": 20.25}}  # the register stage's tags
     finally:
         serve.delete("registry")
 
