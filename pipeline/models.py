@@ -51,8 +51,8 @@ class ModelFiles:
     ct2_given: str = ""  # an explicit CTranslate2 folder (ct2_model=...), whatever its quantization
     # the text the model was trained on (pipeline.decoding.text.TextFormat: data.preprocess, languages)
     text: dict[str, str] = field(default_factory=dict)
-    # its score stage's numbers per split, when known (a config whose score stage finished): the
-    # Serve page states them beside the model
+    # its score stage's numbers per split, when known (a config whose score stage finished, or a
+    # registry version's tags): the Serve page states them beside the model
     scores: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def ct2_model(self, quantization: str) -> str:
@@ -140,8 +140,8 @@ def from_config(cfg: Any, origin: str) -> ModelFiles:
     log.info("model of %s: %s", origin, avg.dir)
     try:
         score = finished_stages(cfg, ["score"], origin, found)["score"].outputs
-        files.scores = {split: {k: v for k, v in vals.items() if isinstance(v, (int, float)) or k.endswith("signature")}
-                        for split, vals in score.get("scores", {}).items()}
+        files.scores = {split: {k: float(v) for k, v in vals.items() if isinstance(v, (int, float))}
+                        for split, vals in score.get("scores", {}).items()}  # numbers, as a registry version's
     except ModelNotFound:
         pass  # not scored (yet): the page says so
     try:

@@ -95,17 +95,14 @@ class Translator:
                          ) -> tuple[list[str], list[bool]]:
         """A failing batch (e.g. out of memory) is retried one sentence at a time; a sentence
         that still fails gets an empty line and ``failed=True`` (the stage reports them)."""
-        def decode(batch: list[list[int]]) -> list[str]:
-            return self.translate_ids(batch) if settings is None else self.translate_ids(batch, settings)
-
         try:
-            return decode(sources), [False] * len(sources)
+            return self.translate_ids(sources, settings), [False] * len(sources)
         except Exception:  # noqa: BLE001 - every failure is logged and counted, never hidden
             log.exception("translate: a batch of %d sentences failed; retrying one by one", len(sources))
         hyps, failed = [], []
         for s in sources:
             try:
-                hyps.append(decode([s])[0])
+                hyps.append(self.translate_ids([s], settings)[0])
                 failed.append(False)
             except Exception:  # noqa: BLE001
                 log.exception("translate: a sentence of %d tokens failed", len(s))

@@ -213,9 +213,9 @@ class Translation:
         from pipeline.decoding.attention import translation_attention
         from pipeline.decoding.translator import load_model
 
-        if self.attention_model is None:
-            self.attention_model = getattr(self.tr, "model", None) or load_model(self.files.model,
-                                                                                 self.files.model_config)
+        if self.attention_model is None:  # the torch backend's own model; CTranslate2's server loads ours once
+            self.attention_model = (self.tr.model if self.s.backend == "torch"
+                                    else load_model(self.files.model, self.files.model_config))
         return translation_attention(self.attention_model, self.tr.sp, pieces, hypothesis)
 
     @api.get("/", response_class=HTMLResponse)

@@ -203,39 +203,15 @@ def collate(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, t
     (`pipeline.train.shapes`; `row_multiple` is then unused): more rows, each a source of [eos]
     and a decoder input of [bos] with a pad target, more columns, and more computed positions
     (pad positions, as above)."""
-    if buckets is not None:
-        return _collate_bucketed(rows, src_values, src_offsets, tgt_values, tgt_offsets, pad_id, bos_id, eos_id,
-                                 max_width, buckets)
-    B, every = len(rows), np.arange(len(rows))
-    s_lens, s_pieces, s_row, s_col = _gather(src_values, src_offsets, rows)
-    s_width = _width(s_lens + 1, row_multiple, max_width)
-    src = np.full((B, s_width), pad_id, dtype=np.int64)  # pieces + [eos]
-    src[s_row, s_col] = s_pieces
-    src[every, s_lens] = eos_id
-    t_lens, t_pieces, t_row, t_col = _gather(tgt_values, tgt_offsets, rows)
-    width = _width(t_lens + 1, row_multiple, max_width)
-    tgt_in = np.full((B, width), pad_id, dtype=np.int64)  # [bos] + pieces
-    tgt_in[:, 0] = bos_id
-    tgt_in[t_row, t_col + 1] = t_pieces
-    tgt_out = np.full((B, width), pad_id, dtype=np.int64)  # pieces + [eos]
-    tgt_out[t_row, t_col] = t_pieces
-    tgt_out[every, t_lens] = eos_id
-    src_index = _prefix_positions(s_lens + 1, s_width, row_multiple)
-    tgt_index = _prefix_positions(t_lens + 1, width, row_multiple)
-    target = tgt_out.reshape(-1)[tgt_index]
-    return Batch(src, tgt_in, tgt_out, int(s_lens.sum()) + B, int(t_lens.sum()) + B, src_index, tgt_index, target)
-
-
-def _collate_bucketed(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, tgt_values: np.ndarray,
-                      tgt_offsets: np.ndarray, pad_id: int, bos_id: int, eos_id: int, max_width: int,
-                      buckets: ShapeBuckets) -> Batch:
-    """`collate` padded to `buckets`' shape of the batch: (Bb, S) source, (Bb, T) target, Ms / Mt
-    computed positions (the real ones first, row-major, then the first pad positions)."""
     B, every = len(rows), np.arange(len(rows))
     s_lens, s_pieces, s_row, s_col = _gather(src_values, src_offsets, rows)
     t_lens, t_pieces, t_row, t_col = _gather(tgt_values, tgt_offsets, rows)
-    Bb, S, T, Ms, Mt = buckets.shape(B, int(s_lens.max(initial=0)) + 1, int(t_lens.max(initial=0)) + 1,
-                                     int(s_lens.sum()) + B, int(t_lens.sum()) + B, max_width)
+    if buckets is None:  # B rows; positions rounded up to row_multiple (count 0)
+        Bb, Ms, Mt = B, 0, 0
+        S, T = _width(s_lens + 1, row_multiple, max_width), _width(t_lens + 1, row_multiple, max_width)
+    else:
+        Bb, S, T, Ms, Mt = buckets.shape(B, int(s_lens.max(initial=0)) + 1, int(t_lens.max(initial=0)) + 1,
+                                         int(s_lens.sum()) + B, int(t_lens.sum()) + B, max_width)
     src = np.full((Bb, S), pad_id, dtype=np.int64)  # pieces + [eos]; added rows: [eos] (a key to attend to)
     src[s_row, s_col] = s_pieces
     src[every, s_lens] = eos_id
@@ -246,8 +222,8 @@ def _collate_bucketed(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.
     tgt_out = np.full((Bb, T), pad_id, dtype=np.int64)  # pieces + [eos]; added rows: pad only
     tgt_out[t_row, t_col] = t_pieces
     tgt_out[every, t_lens] = eos_id
-    src_index = _prefix_positions(np.pad(s_lens + 1, (0, Bb - B)), S, count=Ms)
-    tgt_index = _prefix_positions(np.pad(t_lens + 1, (0, Bb - B)), T, count=Mt)
+    src_index = _prefix_positions(np.pad(s_lens + 1, (0, Bb - B)), S, row_multiple, Ms)
+    tgt_index = _prefix_positions(np.pad(t_lens + 1, (0, Bb - B)), T, row_multiple, Mt)
     target = tgt_out.reshape(-1)[tgt_index]
     return Batch(src, tgt_in, tgt_out, int(s_lens.sum()) + B, int(t_lens.sum()) + B, src_index, tgt_index, target)
 

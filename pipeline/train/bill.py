@@ -33,7 +33,7 @@ from pipeline.config import Config, ConfigError
 from pipeline.config.devices import on_for
 from pipeline.train import batching, elastic
 from pipeline.train.flops import MicroShape, six_n_t, step_flops
-from pipeline.train.shapes import ShapeBuckets, epoch_report
+from pipeline.train.shapes import EpochShapes, ShapeBuckets, epoch_report
 
 # Dense (no structured sparsity) 16-bit tensor-core peak per GPU: bf16, or fp16 on GPUs without
 # bf16 (V100, T4), from NVIDIA's datasheets. Where a datasheet prints only the sparse figure
@@ -202,24 +202,31 @@ def assumed_lengths(cfg: Config, n: int = 50_000) -> tuple[np.ndarray, np.ndarra
     return (np.clip(np.rint(src), 1, None).astype(np.int64), np.clip(np.rint(tgt), 1, None).astype(np.int64))
 
 
-def epoch_shapes(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None) -> str:
-    """One line: the distinct micro-batch shapes of an epoch and their padding with GPU shape buckets
-    (`pipeline.train.shapes`), on the most workers, over the training lengths (None: `ASSUMED_PAIRS`
-    pairs of `ASSUMED_LENGTHS`, a corpus of the source's size: the count grows with the corpus)."""
-    tc, where = cfg.train, f"the training split's {len(lengths[0]):,} pairs" if lengths is not None else ""
-    if lengths is None:
-        n = ASSUMED_PAIRS.get(cfg.data.source, ASSUMED_PAIRS["wmt14"])
-        lengths, where = assumed_lengths(cfg, n), f"{n:,} pairs of assumed lengths"
-    src_len, tgt_len = lengths
+def shapes_report(cfg: Config, mc: ModelConfig, src_len: np.ndarray, tgt_len: np.ndarray) -> EpochShapes:
+    """The distinct micro-batch shapes of epoch 0's batch plan with GPU shape buckets
+    (`pipeline.train.shapes`), split over the most workers, and their padding."""
+    tc = cfg.train
     rows = np.flatnonzero(batching.keep_mask(src_len, tgt_len, tc.max_len))
     plan = batching.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
     workers = elastic.worker_range(cfg)[1]
     micro = [(src_len[c], tgt_len[c]) for g in plan
              for w in batching.split_step(g, src_len, tgt_len, workers, tc.max_tokens_per_batch).chunks
              for c in w if len(c)]
-    report = epoch_report(micro, ShapeBuckets(), mc.max_positions)
-    use = {"auto": "on a GPU", True: "on", False: "OFF"}[tc.shape_buckets]
-    return f"epoch 0 over {where}, {workers} worker(s), train.shape_buckets {use}: {report.format()}"
+    return epoch_report(micro, ShapeBuckets(), mc.max_positions)
+
+
+def epoch_shapes(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None) -> str:
+    """One line: `shapes_report` over the training lengths (None: `ASSUMED_PAIRS` pairs of
+    `ASSUMED_LENGTHS`, a corpus of the source's size: the count grows with the corpus)."""
+    if lengths is None:
+        n = ASSUMED_PAIRS.get(cfg.data.source, ASSUMED_PAIRS["wmt14"])
+        lengths, where = assumed_lengths(cfg, n), f"{n:,} pairs of assumed lengths"
+    else:
+        where = f"the training split's {len(lengths[0]):,} pairs"
+    report = shapes_report(cfg, mc, *lengths)
+    use = {"auto": "on a GPU", True: "on", False: "OFF"}[cfg.train.shape_buckets]
+    return (f"epoch 0 over {where}, {elastic.worker_range(cfg)[1]} worker(s), train.shape_buckets {use}: "
+            f"{report.format()}")
 
 
 def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None,

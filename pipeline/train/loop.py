@@ -107,6 +107,10 @@ class Trainer:
         # train.fused_loss: the output projection fused with the loss (its weight, its matmul dtype)
         self.fused_output = ((self.model.output_proj.weight, self.autocast_dtype or torch.float32)
                              if on_for(self.tc.fused_loss, self.device.type) else None)
+        # This worker's host batches (train.shape_buckets: fixed shapes on a GPU); it counts the shapes it made.
+        self.batcher = HostBatcher(self.train_data, self.mcfg, self.rank, self.world, self.tc.max_tokens_per_batch,
+                                   self.device, row_multiple(self.precision, self.device),
+                                   ShapeBuckets() if on_for(self.tc.shape_buckets, self.device.type) else None)
         self.progress = Progress()
         self.cadence = Cadence(self.tc, self.world, self.device, validates=self.validate is not None)
         state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
@@ -153,9 +157,6 @@ class Trainer:
                      self.precision, len(self.plan.rows), self.plan.num_dropped, tc.max_len,
                      len(self.plan.groups(p.epoch)), p.epoch)
         window, t_attempt, time_base = Window(), time.perf_counter(), p.train_time_s
-        self.batcher = HostBatcher(self.train_data, self.mcfg, self.rank, self.world, tc.max_tokens_per_batch,
-                                   self.device, row_multiple(self.precision, self.device),
-                                   ShapeBuckets() if on_for(tc.shape_buckets, self.device.type) else None)
         feeder = Feeder(self.batcher, prefetch=tc.prefetch)
         notice = preemption.Agreement(tc.preemption_grace_s, self.rank, self.world) if tc.preemption_grace_s else None
         try:
@@ -246,7 +247,7 @@ class Trainer:
                 "history_train": p.history_train, "history_val": p.history_val, "last_metrics": self.metrics.last,
                 "early_stop": p.early_stop or None,
                 "compiled_graphs": self.compiler.num_graphs if self.compiler is not None else None,
-                "batch_shapes": len(self.batcher.shapes) if hasattr(self, "batcher") else None}
+                "batch_shapes": len(self.batcher.shapes)}
 
 
 def train_worker(spec: dict[str, Any], session: Session) -> dict[str, Any]:

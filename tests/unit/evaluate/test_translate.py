@@ -94,7 +94,7 @@ def test_pad_batch(n):
 def test_a_failing_batch_is_retried_sentence_by_sentence():
     tr = object.__new__(translator.Translator)  # no model needed: translate_ids is stubbed
 
-    def translate_ids(sources):
+    def translate_ids(sources, settings=None):
         if len(sources) > 1 or sources[0][0] == 13:
             raise RuntimeError("out of memory")
         return [f"s{sources[0][0]}"]

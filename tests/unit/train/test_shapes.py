@@ -13,7 +13,7 @@ from model import ModelConfig, Transformer
 from pipeline.config import Config
 from pipeline.train import batching, bill
 from pipeline.train.loop import LocalSession, train_worker
-from pipeline.train.shapes import ShapeBuckets, epoch_report, ladder, real_shape
+from pipeline.train.shapes import ShapeBuckets, ladder, real_shape
 from pipeline.train.step import accumulate_gradients, to_device
 from tests.unit.train.test_loop import shards, tiny_spec  # noqa: F401 (a fixture)
 
@@ -106,11 +106,8 @@ def test_base_on_a_wmt14_sized_corpus_has_few_shapes_and_little_padding(workers,
     (configs/base.toml: 25k target tokens per step, max_len 256) over 4.5M pairs of the bill's
     assumed lengths; 8 workers of 6250 padded tokens as shipped, or 1 GPU with accumulation or not."""
     cfg = Config()
+    cfg.train.num_workers, cfg.train.max_tokens_per_batch = workers, cap
     src, tgt = bill.assumed_lengths(cfg, 4_500_000)
-    rows = np.flatnonzero(batching.keep_mask(src, tgt, cfg.train.max_len))
-    plan = batching.plan_epoch(rows, src, tgt, cfg.train.tokens_per_step, cfg.train.seed, 0)
-    micro = [(src[c], tgt[c]) for g in plan
-             for w in batching.split_step(g, src, tgt, workers, cap).chunks for c in w if len(c)]
-    report = epoch_report(micro, ShapeBuckets(), max_width=cfg.model.max_positions)
+    report = bill.shapes_report(cfg, ModelConfig(vocab_size=37000), src, tgt)  # what --plan prints
     assert report.num_shapes <= 64 and report.padding_pct <= 10.0, report.format()
     assert report.num_real_shapes > 100 * report.num_shapes  # what the buckets saved
