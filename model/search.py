@@ -30,6 +30,24 @@ import math
 from typing import Any, Iterator, Protocol
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# A decoding step's keys grow by one position every step, and its rows shrink as sentences finish,
+# so nearly every attention call of a search has a shape not seen before. cuDNN's SDPA, PyTorch's
+# first choice on Hopper, builds a plan per new shape (issue 37: ~0.75 s per new training shape
+# for base on an H200, counted with the GEMM choices): a search pays it at every step. Flash and
+# memory-efficient attention pick their kernel by rule and cost nothing per shape; flash takes no
+# mask (the cross-attention's is a padding mask), so memory-efficient and math stay behind it.
+DECODING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def decoding_attention(device: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA kernels a search runs with on `device`: on a GPU `DECODING_BACKENDS` (never cuDNN's),
+    elsewhere PyTorch's choice. PyTorch's backend switches are process-wide, not per thread (a
+    server's concurrent searches set the same list)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(DECODING_BACKENDS, set_priority=True)
 
 
 class DecodingModel(Protocol):
@@ -137,7 +155,7 @@ def _to_lists(tokens: torch.Tensor, eos_id: int, pad_id: int) -> list[list[int]]
 def greedy_search(model: DecodingModel, src_ids: torch.Tensor, max_len_a: float = 1.0,
                   max_len_b: int = 50) -> list[list[int]]:
     """Most likely next token at every step; src_ids (B, S) -> B token lists without bos/eos."""
-    with _eval_mode(model):
+    with _eval_mode(model), decoding_attention(src_ids.device):
         cfg = model.cfg
         memory, src_pad_mask = model.encode(src_ids)
         max_lens = _max_lens(model, src_ids, max_len_a, max_len_b)  # (B,)
@@ -195,7 +213,7 @@ def beam_search(model: DecodingModel, src_ids: torch.Tensor, beam_size: int = 4,
     can miss such a hypothesis; waiting for k finished ones on top of the bound cannot change
     the top-1, so we do not.
     """
-    with _eval_mode(model):
+    with _eval_mode(model), decoding_attention(src_ids.device):
         cfg, k = model.cfg, beam_size
         B = src_ids.shape[0]
         memory, src_pad_mask = model.encode(src_ids)

@@ -184,3 +184,38 @@ def test_real_model_batch_equals_single_and_restores_train_mode():
     assert batched == single and model.training
     assert all(len(h) <= cfg.max_positions - 1 for h in batched)
     assert beam_search(model, src, beam_size=1, alpha=0.0) == greedy_search(model, src)
+
+
+def _sdpa_switches() -> tuple[bool, bool, bool, bool]:
+    b = torch.backends.cuda
+    return b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled()
+
+
+def test_gpu_decoding_attention_excludes_cudnn_and_restores_the_switches():
+    """Issue 37: a search's shapes change every step, and cuDNN's SDPA plans per shape."""
+    from model import search
+
+    before = _sdpa_switches()
+    with search.decoding_attention(torch.device("cuda")):
+        assert _sdpa_switches() == (False, True, True, True)
+    assert _sdpa_switches() == before
+    with search.decoding_attention(torch.device("cpu")):
+        assert _sdpa_switches() == before  # a CPU keeps PyTorch's choice
+
+
+@pytest.mark.parametrize("search_fn", ["beam", "greedy"])
+def test_searches_decode_inside_the_decoding_attention_context(monkeypatch, search_fn):
+    from model import search
+
+    seen: list[bool] = []
+
+    class Recording(StubModel):
+        def decode_step(self, prev_ids, state):
+            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+            return super().decode_step(prev_ids, state)
+
+    # as on a GPU: these tensors are on the CPU, so the search is told its device is one
+    monkeypatch.setattr(search, "decoding_attention", lambda device: search.sdpa_kernel(search.DECODING_BACKENDS))
+    run = (lambda m, s: beam_search(m, s, beam_size=2)) if search_fn == "beam" else greedy_search
+    assert run(Recording(), _src((11, 3))) in ([[B]], [[A, A]])
+    assert seen and not any(seen)
