@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from model import ModelConfig, Transformer
 from pipeline.train import validate
 from pipeline.train.corpus import Corpus
+from pipeline.train.shapes import ShapeBuckets
 from pipeline.train.validate import Validator
 
 EPS = 0.1
@@ -75,8 +76,8 @@ def direct(model: Transformer, mc: ModelConfig, pairs) -> dict[str, float]:
     return {"val/loss": loss / n, "val/nll": nll / n, "val/ppl": math.exp(nll / n)}
 
 
-def validator(pairs, mc, rank: int, world: int, max_tokens: int) -> Validator:
-    return Validator(corpus_of(pairs), mc, max_tokens, EPS, contextlib.nullcontext, rank, world, CPU)
+def validator(pairs, mc, rank: int, world: int, max_tokens: int, **gpu) -> Validator:
+    return Validator(corpus_of(pairs), mc, max_tokens, EPS, contextlib.nullcontext, rank, world, CPU, **gpu)
 
 
 @pytest.mark.parametrize("max_tokens", [60, 400])  # many small batches with padding; a few wide ones
@@ -89,6 +90,30 @@ def test_one_worker_equals_the_direct_computation(model_and_config, max_tokens):
     assert model.training, "the model is put back in training mode"
     want = direct(model, mc, pairs)
     assert got == pytest.approx(want, rel=2e-5)
+
+
+@pytest.mark.parametrize("gpu", [{"buckets": ShapeBuckets()}, {"fused_dtype": torch.float32},
+                                 {"buckets": ShapeBuckets(), "fused_dtype": torch.float32}],
+                         ids=["buckets", "fused", "both"])
+def test_gpu_batches_and_loss_change_no_figure(model_and_config, monkeypatch, gpu):
+    """What a GPU worker validates with (issue 37): dev batches padded to the training steps' shape
+    buckets, and the fused projection + loss; still the direct computation's figures."""
+    model, mc = model_and_config
+    pairs = dev_pairs(seed=2)
+    shapes = []
+    to_device = validate.to_device
+    monkeypatch.setattr(validate, "to_device", lambda b, device: shapes.append(b.src.shape + b.tgt_in.shape)
+                        or to_device(b, device))
+    v = validator(pairs, mc, 0, 1, 120, **gpu)
+    got = v(model)
+    want = direct(model, mc, pairs)
+    assert got == pytest.approx(want, rel=2e-5)
+    if "buckets" in gpu:  # every batch was padded to a bucketed shape: rows and one width on their ladders
+        b = ShapeBuckets()
+        for rows, width, rows_t, width_t in shapes:
+            assert rows == rows_t and width == width_t
+            assert rows == b.shape(rows, 1, 1, 1, 1)[0] and width in (b.shape(8, width, 1, 8, 8)[1], MAX_POSITIONS)
+        assert len(set(shapes)) < len(v.batches)  # the dev set's batches share shapes
 
 
 def test_two_workers_strided_sum_equals_the_direct_computation(model_and_config, monkeypatch):
