@@ -47,9 +47,11 @@ def shards(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def trainer(shards, tmp: Path, precision: str, backend: str | None, max_steps: int, eval_every: int = 0,
-            dropout: float = 0.1) -> Trainer:
+            dropout: float = 0.1, gpu_recipe: bool = False) -> Trainer:
+    """`gpu_recipe`: what "auto" turns on on a GPU, here on the CPU: shape buckets and the fused loss."""
     cfg = Config()
     t = cfg.train
+    t.shape_buckets = t.fused_loss = gpu_recipe
     t.max_steps, t.tokens_per_step, t.max_tokens_per_batch, t.warmup_steps = max_steps, 600, 400, 20
     t.log_interval_steps, t.checkpoint_interval_steps = 1, 10**6
     t.eval_interval_steps = eval_every or 10**6
@@ -95,3 +97,27 @@ def test_inductor_losses_equal_eager(shards, tmp_path, precision, tol, monkeypat
     assert len(a) == len(b) == 25
     assert max(abs(x - y) / x for x, y in zip(a, b)) < tol
     assert compiled["compiled_graphs"] <= 2
+
+
+@pytest.mark.slow
+def test_gpu_recipe_compiled_equals_eager_with_graphs_bounded(shards, tmp_path, monkeypatch):
+    """What a GPU run does by default (issue 37): compiled, shape buckets, fused projection + loss,
+    bucketed validations. Losses equal eager's; the graphs are the first step's and the first
+    validation's, however many bucket shapes follow (inductor: the generated code is what runs)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(model.transformer, "CPU_DROPOUT", False)
+    eager = trainer(shards, tmp_path / "eager", "fp32", None, max_steps=40, eval_every=20, gpu_recipe=True).run()
+    with torch._inductor.config.patch(fallback_random=True):
+        tr = trainer(shards, tmp_path / "compiled", "fp32", "inductor", max_steps=40, eval_every=20, gpu_recipe=True)
+        at_step: list[int] = []
+        inner = tr.compiler.inner
+        tr.compiler.inner = lambda gm, inputs: at_step.append(tr.progress.step) or inner(gm, inputs)
+        compiled = tr.run()
+    a, b = _losses(eager), _losses(compiled)
+    assert len(a) == len(b) == 40
+    assert max(abs(x - y) / x for x, y in zip(a, b)) < 1e-4
+    va, vb = ([h[1] for h in out["history_val"]] for out in (eager, compiled))
+    assert len(va) == len(vb) == 2 and max(abs(x - y) / x for x, y in zip(va, vb)) < 1e-4
+    assert compiled["batch_shapes"] >= 4  # several bucket shapes went through the one set of graphs
+    assert set(at_step) <= {0, 20}, at_step
+    assert compiled["compiled_graphs"] <= 4
