@@ -87,3 +87,28 @@ def test_no_tokens_by_vocabulary_tensor_is_ever_made():
         F.cross_entropy(logits, target, label_smoothing=0.1, ignore_index=PAD, reduction="sum").backward()
     assert plain.largest >= M * K
     assert fused.largest <= max(32 * K, K * D), fused.largest  # one chunk's logits, or the weight's gradient
+
+
+@pytest.mark.parametrize("a, b", [(1.0, -1.0), (0.3, 2.0), (0.0, 1.0)], ids=["loss-nll", "mixed", "nll-only"])
+def test_any_weighting_of_loss_and_nll_has_autograds_gradients(a, b):
+    """The hand-written backwards weigh the softmax by each row's (loss + nll) weight and the gold
+    term separately; any weighting, loss - nll included (a softmax weight of 0 with a gold term
+    left), gives autograd's gradients in fp64: both losses, fused and on given logits."""
+    from model import label_smoothed_nll
+
+    hidden, weight, target = _inputs(3)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, nll = linear_label_smoothed_nll(h, w, target, 0.1, PAD, chunk_elements=50 * K)
+    (a * loss + b * nll).backward()
+    hl = hidden.clone().requires_grad_()
+    logits = hl @ weight.t()
+    loss2, nll2 = label_smoothed_nll(logits, target, 0.1, PAD)
+    (a * loss2 + b * nll2).backward()
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_logits = h_ref @ w_ref.t()
+    ref = (a * F.cross_entropy(ref_logits, target, label_smoothing=0.1, ignore_index=PAD, reduction="sum")
+           + b * F.cross_entropy(ref_logits, target, ignore_index=PAD, reduction="sum"))
+    ref.backward()
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(hl.grad, h_ref.grad, rtol=1e-10, atol=1e-12)
