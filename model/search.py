@@ -262,10 +262,11 @@ def beam_search(model: DecodingModel, src_ids: torch.Tensor, beam_size: int = 4,
             tokens[:, :, t] = new_tok
             lp_reachable = lp_longest.clamp(min=gnmt_length_penalty(t + 2, alpha))  # max over reachable lengths
             done |= (best_score >= scores[:, 0] / lp_reachable) | max_lens.le(t)
-            if bool(done.all()):
+            num_done = int(done.sum())  # one wait for the device tells both "all" and "any"
+            if num_done == B:
                 break
             rows = new_beam + row_base  # (B, k) the rows each next row continues
-            if drops and bool(done.any()):
+            if drops and num_done:
                 out_tokens[alive[done]], out_score[alive[done]] = best_tokens[done], best_score[done]
                 keep = (~done).nonzero()[:, 0]  # (B',)
                 alive, B = alive[keep], len(keep)
