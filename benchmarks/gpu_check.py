@@ -21,7 +21,8 @@ section that overruns it); a section that cannot run says why. Prints a table an
 - DDP on one GPU (NCCL, world size 1, the bf16 gradient-compression hook): the loop's step through
   `pipeline.train.step.distributed(always=True)`, tokens/s vs the plain model;
 - beam-4 decoding (alpha 0.6, max length input + 50) of newstest2014-length sentences with a
-  random base model (a random model rarely stops early: a worst case);
+  random base model (a random model rarely stops early: a worst case), then, on one batch, the aten
+  ops and the waits for the device per decoding step (what bounds a small model's search);
 - CTranslate2 decoding: named as skipped when `ctranslate2` is absent.
 
 `--smoke`: tiny models on the CPU, small budgets, every section's code path in well under a

@@ -53,14 +53,19 @@ def count_syncs(trainer: Trainer, device: str, steps: int = 10) -> tuple[float, 
 
 
 class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten ops dispatched (each a kernel launch or more on a GPU, a host call on a CPU)."""
+    """Counts the aten ops dispatched (each a kernel launch or more on a GPU, a host call on a CPU),
+    and among them those that make the host wait for the device (a bool, an int, an item, a nonzero)."""
+
+    WAITS = frozenset({"is_nonzero", "item", "_local_scalar_dense", "nonzero"})
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.waits = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.waits += func.overloadpacket.__name__ in self.WAITS
         return func(*args, **(kwargs or {}))
 
 
@@ -223,14 +228,34 @@ def decode_section(pr: Any, rng: np.random.Generator, words: np.ndarray) -> tupl
     srcs = [rng.integers(4, mc.vocab_size, size=k).tolist() + [mc.eos_id] for k in lens]
     order = np.argsort([len(s) for s in srcs])
     device_type = pr.device.split(":")[0]
+    batches = []
+    for i in range(0, n, 64):
+        batch = [srcs[j] for j in order[i:i + 64]]
+        width = max(len(s) for s in batch)
+        batches.append(torch.tensor([s + [mc.pad_id] * (width - len(s)) for s in batch], device=pr.device))
+    autocast = torch.autocast(device_type, dtype=torch.bfloat16, enabled=not pr.smoke)
     t0 = time.perf_counter()
-    with torch.no_grad(), torch.autocast(device_type, dtype=torch.bfloat16, enabled=not pr.smoke):
-        for i in range(0, n, 64):
-            batch = [srcs[j] for j in order[i:i + 64]]
-            width = max(len(s) for s in batch)
-            src = torch.tensor([s + [mc.pad_id] * (width - len(s)) for s in batch], device=pr.device)
+    with torch.no_grad(), autocast:
+        for src in batches:
             beam_search(model, src, beam_size=4, alpha=0.6)
     if device_type == "cuda":
         torch.cuda.synchronize()
     sps = n / (time.perf_counter() - t0)
-    return {"sentences": n, "sentences_per_s": sps}, f"{n} sentences, random base model: {sps:.1f} sentences/s"
+    # What a decoding step costs the host, on one batch (not timed): aten ops and waits for the device.
+    steps = [0]
+    decode_step = model.decode_step
+
+    def counted(prev_ids, state):
+        steps[0] += 1
+        return decode_step(prev_ids, state)
+
+    model.decode_step = counted
+    try:
+        with torch.no_grad(), autocast, _OpCounter() as ops:
+            beam_search(model, batches[len(batches) // 2], beam_size=4, alpha=0.6)
+    finally:
+        del model.decode_step
+    per_step = {"aten_ops_per_decode_step": ops.count / steps[0], "device_waits_per_decode_step": ops.waits / steps[0]}
+    return ({"sentences": n, "sentences_per_s": sps, **per_step},
+            f"{n} sentences, random base model: {sps:.1f} sentences/s; per decoding step "
+            f"{per_step['aten_ops_per_decode_step']:.0f} aten ops, {per_step['device_waits_per_decode_step']:.1f} waits")
