@@ -13,6 +13,12 @@
   as an assumption. gpu_check measures one GPU: the all-reduce between GPUs, validation and
   checkpoints are not in it, so the bill is a lower bound of the wall time; the progress line's
   ETA (measured) is the number to trust once training runs.
+- The host floor: an eager step cannot be faster than the host dispatches its ops (issue 37: the
+  Multi30k tiny recipe computed 8.6 s of math in ~9 min, host-bound). Its ops are counted
+  (`flops.count_step_ops`, per micro-batch, times a worker's micro-batches per step) at
+  `HOST_S_PER_OP` each, and an eager bill's hours are the larger of the two. A compiled step
+  dispatches far fewer ops, by an amount not measured yet: its bill prints the eager floor as an
+  upper bound of the host's share and counts the math only.
 
 The driver logs the same figures as the train run's MLflow params (`params`).
 """
@@ -32,7 +38,7 @@ from model import ModelConfig, Transformer, size_name
 from pipeline.config import Config, ConfigError
 from pipeline.config.devices import on_for
 from pipeline.train import batching, elastic
-from pipeline.train.flops import MicroShape, six_n_t, step_flops
+from pipeline.train.flops import MicroShape, count_step_ops, six_n_t, step_flops
 from pipeline.train.shapes import EpochShapes, ShapeBuckets, epoch_report
 
 # Dense (no structured sparsity) 16-bit tensor-core peak per GPU: bf16, or fp16 on GPUs without
@@ -58,6 +64,12 @@ ASSUMED_LENGTHS = "assumed lengths (no cached encode output): source pieces ~ lo
 # The corpus `epoch_shapes` assumes when nothing is encoded yet: the source's training pairs
 # (WMT14 EN-DE ~4.5M, §5.1; Multi30k 29,000); EN-FR's 36M is counted at EN-DE's size (seconds, not a minute).
 ASSUMED_PAIRS = {"wmt14": 4_500_000, "multi30k": 29_000}
+# Host seconds per aten op of an eager GPU step, from the one measurement there is (issue 37, an H200
+# machine, torch 2.11, bf16 autocast): the Multi30k tiny recipe's eager step took 61.6 ms of host CPU
+# time for two micro-batches of 1,275 aten ops each (`flops.count_step_ops` of that model, fp32: the
+# autocast casts and the optimizer are inside this per-op figure): 24.2 us per op.
+# tests/unit/train/test_bill.py keeps it consistent with the count. An assumption for other hosts.
+HOST_S_PER_OP = 24.2e-6
 SAMPLE_ROWS = 200_000  # rows the batch plan is built from (a uniform sample: the same length distribution)
 SAMPLE_STEPS = 6  # steps counted: one per stratum of the steps sorted by length (steps are length buckets)
 
@@ -81,14 +93,30 @@ class Bill:
     sampled_steps: int
     notes: tuple[str, ...] = ()
     shapes: str = ""  # `epoch_shapes`' line ("" = not computed)
+    ops_per_micro_batch: int = 0  # `flops.count_step_ops`: forward + loss + backward
+    micro_batches_per_worker: float = 1.0  # per step, the busiest worker's (mean over the sampled steps)
+    compiled: bool = False  # train.compile on a GPU: the host floor is not applied
 
     @property
     def flops_6nt(self) -> float:
         return six_n_t(self.num_params, self.tgt_tokens_per_step)
 
     @property
-    def hours(self) -> float:
+    def compute_hours(self) -> float:
         return self.max_steps * self.flops_per_step / (self.num_gpus * self.peak_flops * self.mfu) / 3600
+
+    @property
+    def host_s_per_step(self) -> float:
+        """An eager step's host time: the busiest worker's ops x `HOST_S_PER_OP`."""
+        return self.micro_batches_per_worker * self.ops_per_micro_batch * HOST_S_PER_OP
+
+    @property
+    def host_hours(self) -> float:
+        return self.max_steps * self.host_s_per_step / 3600
+
+    @property
+    def hours(self) -> float:
+        return self.compute_hours if self.compiled else max(self.compute_hours, self.host_hours)
 
     @property
     def gpu_hours(self) -> float:
@@ -101,6 +129,7 @@ class Bill:
                 "bill/gpu_type": self.gpu_type, "bill/peak_flops": f"{self.peak_flops:.4g}",
                 "bill/mfu": f"{self.mfu:.4g}", "bill/mfu_source": self.mfu_source[:450],
                 "bill/hours": f"{self.hours:.4g}", "bill/gpu_hours": f"{self.gpu_hours:.4g}",
+                "bill/compute_hours": f"{self.compute_hours:.4g}", "bill/host_floor_hours": f"{self.host_hours:.4g}",
                 "bill/lengths": self.lengths_source[:450]}
 
     def format(self) -> str:
@@ -116,12 +145,20 @@ class Bill:
             f"T = {self.tgt_tokens_per_step:,.0f} target tokens)",
             f"  peak              {self.peak_flops:.4e} FLOP/s per {self.gpu_type} ({self.peak_source})",
             f"  MFU               {self.mfu:.4g} = {pct} ({self.mfu_source})",
-            f"  hours             max_steps x FLOPs per step / (GPUs x peak x MFU) / 3600 = {self.max_steps} x "
+            f"  compute           max_steps x FLOPs per step / (GPUs x peak x MFU) / 3600 = {self.max_steps} x "
             f"{self.flops_per_step:.4e} / ({self.num_gpus} x {self.peak_flops:.4e} x {self.mfu:.4g}) / 3600 "
-            f"= {self.hours:.4g} h",
+            f"= {self.compute_hours:.4g} h",
+            f"  host floor        max_steps x micro-batches x aten ops x s per op / 3600 = {self.max_steps} x "
+            f"{self.micro_batches_per_worker:.3g} x {self.ops_per_micro_batch:,} x {HOST_S_PER_OP:.3g} / 3600 "
+            f"= {self.host_hours:.4g} h (an eager step's dispatches, {1e3 * self.host_s_per_step:.1f} ms a step"
+            f"{'; compiled: not applied, an upper bound of the host' + chr(39) + 's share' if self.compiled else ''})",
+            (f"  hours             compute (train.compile: the host floor is not measured) = {self.hours:.4g} h"
+             if self.compiled else
+             f"  hours             max(compute, host floor) = max({self.compute_hours:.4g}, {self.host_hours:.4g}) "
+             f"= {self.hours:.4g} h{' (host-bound)' if self.host_hours > self.compute_hours else ''}"),
             f"  GPU-hours         GPUs x hours = {self.gpu_hours:.4g}",
             *([f"  batch shapes      {self.shapes}"] if self.shapes else []),
-            "  (compute at that MFU only: the all-reduce, validation and checkpoints add to it; once training runs, "
+            "  (the all-reduce, validation and checkpoints add to it; once training runs, "
             "its progress line's ETA is measured)"]
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
@@ -173,9 +210,10 @@ def mfu_from_gpu_check(path: str, mc: ModelConfig, compiled: bool, gpu_type: str
 
 
 def sample_steps(src_len: np.ndarray, tgt_len: np.ndarray, cfg: Config, num_steps: int = SAMPLE_STEPS,
-                 ) -> list[list[MicroShape]]:
+                 ) -> tuple[list[list[MicroShape]], list[int]]:
     """Micro-batch shapes of `num_steps` steps of the real batch plan (epoch 0 of train.seed),
-    one per stratum of the steps sorted by mean length, split over the most workers."""
+    one per stratum of the steps sorted by mean length, split over the most workers; and each
+    step's busiest worker's micro-batch count."""
     tc = cfg.train
     rows = np.flatnonzero(batching.keep_mask(src_len, tgt_len, tc.max_len))
     if len(rows) > SAMPLE_ROWS:
@@ -186,12 +224,13 @@ def sample_steps(src_len: np.ndarray, tgt_len: np.ndarray, cfg: Config, num_step
     by_len = sorted(plan, key=lambda g: float(np.mean(tgt_len[g])))
     picks = sorted({int((i + 0.5) * len(by_len) / num_steps) for i in range(num_steps)})
     workers = elastic.worker_range(cfg)[1]
-    steps = []
+    steps, busiest = [], []
     for i in picks:
         split = batching.split_step(by_len[min(i, len(by_len) - 1)], src_len, tgt_len, workers,
                                     tc.max_tokens_per_batch)
         steps.append([MicroShape.of(src_len[c], tgt_len[c]) for chunks in split.chunks for c in chunks if len(c)])
-    return steps
+        busiest.append(max(sum(1 for c in chunks if len(c)) for chunks in split.chunks))
+    return steps, busiest
 
 
 def assumed_lengths(cfg: Config, n: int = 50_000) -> tuple[np.ndarray, np.ndarray]:
@@ -239,7 +278,7 @@ def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarra
     if lengths is None:
         lengths, lengths_source = assumed_lengths(cfg), ASSUMED_LENGTHS
     src_len, tgt_len = lengths
-    steps = sample_steps(src_len, tgt_len, cfg)
+    steps, busiest = sample_steps(src_len, tgt_len, cfg)
     flops = [step_flops(mc, step, tc.label_smoothing) for step in steps]
     peak, peak_source = peak_for(tc.gpu_type)
     path = mfu_from or tc.mfu_from
@@ -258,7 +297,9 @@ def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarra
                 flops_per_step=float(np.mean(flops)),
                 tgt_tokens_per_step=float(np.mean([sum(m.Mt for m in s) for s in steps])),
                 src_tokens_per_step=float(np.mean([sum(m.Ms for m in s) for s in steps])),
-                lengths_source=lengths_source, sampled_steps=len(steps), notes=tuple(notes), shapes=shapes_line)
+                lengths_source=lengths_source, sampled_steps=len(steps), notes=tuple(notes), shapes=shapes_line,
+                ops_per_micro_batch=count_step_ops(mc, tc.label_smoothing),
+                micro_batches_per_worker=float(np.mean(busiest)), compiled=on_for(tc.compile, "cuda"))
 
 
 def for_lengths(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray], mfu_from: str = "",

@@ -18,10 +18,12 @@ only, `model.transformer.Packing`), as `pipeline.train.batching.collate` builds 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from model import ModelConfig, Transformer, label_smoothed_nll
@@ -62,6 +64,56 @@ def count_step_flops(mc: ModelConfig, micro: list[MicroShape], label_smoothing: 
                                          ignore_index=mc.pad_id)
             loss.backward()
     return int(counter.get_total_flops())
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+_ops: dict[tuple, int] = {}
+
+
+def count_step_ops(mc: ModelConfig, label_smoothing: float = 0.1) -> int:
+    """aten ops that one micro-batch's forward, loss and backward dispatch on a GPU's path: the
+    host's work of an eager GPU micro-batch (each op a dispatch, most a kernel launch). The count is
+    the model's structure (layers, heads, tying, positions), not its widths, vocabulary or batch,
+    so it runs a model of this structure shrunk to 8 columns per head, for real on this CPU in fp32
+    (milliseconds), with PyTorch's dropout and the loss in one piece as on a GPU. Not on the meta
+    device: there SDPA decomposes into its math ops, where a GPU runs one fused kernel forward and
+    one backward (as this CPU does). Cached per model."""
+    import model.loss as model_loss
+    import model.transformer as model_transformer
+
+    key = (tuple(sorted(vars(mc).items())), label_smoothing)
+    if key in _ops:
+        return _ops[key]
+    dk, dv = mc.head_dims
+    heads = {} if mc.d_k is None and mc.d_v is None else {"d_k": 8 if dk <= dv else 16, "d_v": 8 if dv <= dk else 16}
+    small = dataclasses.replace(mc, d_model=8 * mc.n_heads, d_ff=16, vocab_size=max(mc.pad_id, mc.bos_id, mc.eos_id) + 8,
+                                max_positions=16, **heads)
+    cpu_dropout, chunk = model_transformer.CPU_DROPOUT, model_loss.CPU_CHUNK_ELEMENTS
+    model_transformer.CPU_DROPOUT, model_loss.CPU_CHUNK_ELEMENTS = False, 1 << 40
+    try:
+        with torch.device("cpu"):
+            model = Transformer(small).train()
+        B, S, T = 2, 3, 3
+        src = torch.full((B, S), small.eos_id)
+        tgt = torch.full((B, T), small.bos_id)
+        with _OpCounter() as ops:
+            logits = model(src, tgt, nonpad_only=True, src_index=torch.arange(B * S), tgt_index=torch.arange(B * T))
+            loss, _ = label_smoothed_nll(logits, torch.full((B * T,), small.eos_id), epsilon=label_smoothing,
+                                         ignore_index=small.pad_id)
+            loss.backward()
+    finally:
+        model_transformer.CPU_DROPOUT, model_loss.CPU_CHUNK_ELEMENTS = cpu_dropout, chunk
+    _ops[key] = ops.count
+    return ops.count
 
 
 # A micro-batch's counted FLOPs are a sum of matmuls over its real positions (Ms source, Mt target
