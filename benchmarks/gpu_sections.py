@@ -12,13 +12,13 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.utils._python_dispatch
 
 from model import ModelConfig, Transformer, beam_search, make_optimizer, make_scheduler
 from pipeline.train import batching
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.loop import Trainer
 from pipeline.train.feeder import HostBatcher
+from pipeline.train.flops import OpCounter
 from pipeline.train.metrics import Window
 from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, to_device
 
@@ -52,23 +52,6 @@ def count_syncs(trainer: Trainer, device: str, steps: int = 10) -> tuple[float, 
     return float(per_step[:-1].mean()), int(per_step[-1])
 
 
-class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten ops dispatched (each a kernel launch or more on a GPU, a host call on a CPU),
-    and among them those that make the host wait for the device (a bool, an int, an item, a nonzero)."""
-
-    WAITS = frozenset({"is_nonzero", "item", "_local_scalar_dense", "nonzero"})
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-        self.waits = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        self.waits += func.overloadpacket.__name__ in self.WAITS
-        return func(*args, **(kwargs or {}))
-
-
 def step_profile(trainer: Trainer, device: str, steps: int = 6) -> dict:
     """What one training step costs the host and the device, over `steps` continued plain steps:
     aten ops dispatched per step (a TorchDispatchMode, forward + backward + Adam; on a compiled
@@ -79,7 +62,7 @@ def step_profile(trainer: Trainer, device: str, steps: int = 6) -> dict:
     trainer.run()  # warm: these steps' shapes and kernels seen once
     cuda = device.startswith("cuda")
     trainer.tc.max_steps = trainer.progress.step + steps
-    with _OpCounter() as ops:
+    with OpCounter() as ops:
         trainer.run()
     trainer.tc.max_steps = trainer.progress.step + steps
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -251,7 +234,7 @@ def decode_section(pr: Any, rng: np.random.Generator, words: np.ndarray) -> tupl
 
     model.decode_step = counted
     try:
-        with torch.no_grad(), autocast, _OpCounter() as ops:
+        with torch.no_grad(), autocast, OpCounter() as ops:
             beam_search(model, batches[len(batches) // 2], beam_size=4, alpha=0.6)
     finally:
         del model.decode_step

@@ -66,13 +66,20 @@ def count_step_flops(mc: ModelConfig, micro: list[MicroShape], label_smoothing: 
     return int(counter.get_total_flops())
 
 
-class _OpCounter(TorchDispatchMode):
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched (each a kernel launch or more on a GPU, a host call on a CPU),
+    and among them those that make the host wait for the device (a bool, an int, an item, a nonzero)."""
+
+    WAITS = frozenset({"is_nonzero", "item", "_local_scalar_dense", "nonzero"})
+
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.waits = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.waits += func.overloadpacket.__name__ in self.WAITS
         return func(*args, **(kwargs or {}))
 
 
@@ -105,7 +112,7 @@ def count_step_ops(mc: ModelConfig, label_smoothing: float = 0.1) -> int:
         B, S, T = 2, 3, 3
         src = torch.full((B, S), small.eos_id)
         tgt = torch.full((B, T), small.bos_id)
-        with _OpCounter() as ops:
+        with OpCounter() as ops:
             logits = model(src, tgt, nonpad_only=True, src_index=torch.arange(B * S), tgt_index=torch.arange(B * T))
             loss, _ = label_smoothed_nll(logits, torch.full((B * T,), small.eos_id), epsilon=label_smoothing,
                                          ignore_index=small.pad_id)

@@ -191,7 +191,7 @@ def test_the_op_count_is_what_a_step_of_the_real_widths_dispatches(monkeypatch, 
     for B, S, T in [(3, 5, 4), (8, 11, 13)]:
         src = torch.randint(4, mc.vocab_size, (B, S))
         tgt = torch.randint(4, mc.vocab_size, (B, T))
-        with flops._OpCounter() as ops:
+        with flops.OpCounter() as ops:
             logits = net(src, tgt, nonpad_only=True, src_index=torch.arange(B * S), tgt_index=torch.arange(B * T))
             loss, _ = label_smoothed_nll(logits, tgt.reshape(-1), 0.1, mc.pad_id)
             loss.backward()
