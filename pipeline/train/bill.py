@@ -151,7 +151,7 @@ class Bill:
             f"  host floor        max_steps x micro-batches x aten ops x s per op / 3600 = {self.max_steps} x "
             f"{self.micro_batches_per_worker:.3g} x {self.ops_per_micro_batch:,} x {HOST_S_PER_OP:.3g} / 3600 "
             f"= {self.host_hours:.4g} h (an eager step's dispatches, {1e3 * self.host_s_per_step:.1f} ms a step"
-            f"{'; compiled: not applied, an upper bound of the host' + chr(39) + 's share' if self.compiled else ''})",
+            f"{'; compiled: not applied, an upper bound of the host share' if self.compiled else ''})",
             (f"  hours             compute (train.compile: the host floor is not measured) = {self.hours:.4g} h"
              if self.compiled else
              f"  hours             max(compute, host floor) = max({self.compute_hours:.4g}, {self.host_hours:.4g}) "

@@ -85,16 +85,17 @@ class Trainer:
         self._setup_device(spec.num_threads)
         self.train_data = load_shared_corpus(spec.train_dir, self.tc.corpus_cache_dir or None)
         self.plan = StepPlan(self.train_data, self.tc.max_len, self.tc.tokens_per_step, self.tc.seed)
-        # train.shape_buckets: fixed shapes on a GPU, for the steps and the dev batches alike
-        buckets = ShapeBuckets() if on_for(self.tc.shape_buckets, self.device.type) else None
-        # train.fused_loss: the output projection fused with the loss, in this matmul dtype
-        fused_dtype = (self.autocast_dtype or torch.float32) if on_for(self.tc.fused_loss, self.device.type) else None
-        self.validate = (Validator(load_corpus(spec.dev_dir), self.mcfg, self.tc.max_tokens_per_batch,
-                                   self.tc.label_smoothing, self.autocast, self.rank, self.world, self.device,
-                                   buckets, fused_dtype)
-                         if spec.dev_dir else None)
         torch.manual_seed(self.tc.seed)  # identical initial weights on every worker
         self.model = Transformer(self.mcfg).to(self.device)
+        # train.shape_buckets: fixed shapes on a GPU, for the steps and the dev batches alike
+        buckets = ShapeBuckets() if on_for(self.tc.shape_buckets, self.device.type) else None
+        # train.fused_loss: the output projection fused with the loss (its weight, its matmul dtype)
+        self.fused_output = ((self.model.output_proj.weight, self.autocast_dtype or torch.float32)
+                             if on_for(self.tc.fused_loss, self.device.type) else None)
+        self.validate = (Validator(load_corpus(spec.dev_dir), self.mcfg, self.tc.max_tokens_per_batch,
+                                   self.tc.label_smoothing, self.autocast, self.rank, self.world, self.device,
+                                   buckets, self.fused_output)
+                         if spec.dev_dir else None)
         self.optimizer = make_optimizer(self.model, betas=(self.tc.adam_beta1, self.tc.adam_beta2),
                                         eps=self.tc.adam_eps)
         self.scheduler = make_scheduler(self.optimizer, self.mcfg.d_model, self.tc.warmup_steps, self.tc.lr_scale)
@@ -109,7 +110,6 @@ class Trainer:
                                                 self.autocast_dtype or torch.float32)
         if self.rank == 0:
             log.info("%s", why)
-        self.fused_output = (self.model.output_proj.weight, fused_dtype) if fused_dtype is not None else None
         # This worker's host batches; it counts the shapes it made.
         self.batcher = HostBatcher(self.train_data, self.mcfg, self.rank, self.world, self.tc.max_tokens_per_batch,
                                    self.device, row_multiple(self.precision, self.device), buckets)

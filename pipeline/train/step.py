@@ -70,6 +70,27 @@ def to_device(batch: batching.Batch, device: torch.device, weight: float = 1.0) 
     return upload(pin(batch, device, weight), device)
 
 
+def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, epsilon: float, pad_id: int,
+                     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+                     fused_output: tuple[torch.Tensor, torch.dtype] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss_sum, nll_sum) of one micro-batch at its real target positions: the model under
+    `autocast`, then the label-smoothed loss of its logits, or with `fused_output` = (the output
+    projection's weight, the dtype it multiplies in) the projection fused with the loss
+    (`model.linear_label_smoothed_nll`: no (M, V) logits; `train.fused_loss`, on GPUs). Training
+    steps and validation both compute it so."""
+    # (M,): the projection skips pad positions. A boolean index would wait for the device to learn
+    # M; collate gives the target and the positions, computed on the host.
+    target = mb.target if mb.target is not None else mb.tgt_out[mb.tgt_out != pad_id]
+    with autocast():
+        out = model(mb.src, mb.tgt_in, nonpad_only=True, src_index=mb.src_index, tgt_index=mb.tgt_index,
+                    hidden_only=fused_output is not None)  # (M, V), or (M, d) for the fused loss
+    if fused_output is None:
+        return label_smoothed_nll(out, target, epsilon=epsilon, ignore_index=pad_id)
+    weight, dtype = fused_output
+    return linear_label_smoothed_nll(out, weight, target, epsilon, pad_id, dtype)
+
+
 def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch], step_tgt_tokens: int,
                          world_size: int, epsilon: float, pad_id: int,
                          autocast: Callable[[], ContextManager] = contextlib.nullcontext,
@@ -81,9 +102,7 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch]
     After the last micro-batch (and DDP's all-reduce) every worker holds
     d/dθ [ sum of token losses over the whole step / step_tgt_tokens ].
 
-    `fused_output` = (the output projection's weight, the dtype it multiplies in): the model
-    returns its last hidden states and the projection is fused with the loss
-    (`model.linear_label_smoothed_nll`: no (M, V) logits; `train.fused_loss`, on GPUs).
+    `fused_output`: see `micro_batch_loss`.
     """
     scale = world_size / step_tgt_tokens
     loss_total = torch.zeros((), device=micro_batches[0].src.device)
@@ -92,17 +111,7 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch]
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
         with sync:
-            # (M,): the projection skips pad positions. A boolean index would wait for the device
-            # to learn M; collate gives the target and the positions, computed on the host.
-            target = mb.target if mb.target is not None else mb.tgt_out[mb.tgt_out != pad_id]
-            with autocast():
-                out = model(mb.src, mb.tgt_in, nonpad_only=True, src_index=mb.src_index,
-                            tgt_index=mb.tgt_index, hidden_only=fused_output is not None)  # (M, V) or (M, d)
-            if fused_output is None:
-                loss, nll = label_smoothed_nll(out, target, epsilon=epsilon, ignore_index=pad_id)
-            else:
-                weight, dtype = fused_output
-                loss, nll = linear_label_smoothed_nll(out, weight, target, epsilon, pad_id, dtype)
+            loss, nll = micro_batch_loss(model, mb, epsilon, pad_id, autocast, fused_output)
             if mb.weight != 1.0:
                 loss, nll = loss * mb.weight, nll * mb.weight
             scaled = loss * scale

@@ -19,12 +19,12 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import ModelConfig, label_smoothed_nll, linear_label_smoothed_nll
+from model import ModelConfig
 from pipeline.train import batching
 from pipeline.train.corpus import Corpus
 from pipeline.train.metrics import all_reduce_sum
 from pipeline.train.shapes import ShapeBuckets
-from pipeline.train.step import to_device
+from pipeline.train.step import micro_batch_loss, to_device
 
 
 class Validator:
@@ -32,12 +32,12 @@ class Validator:
 
     def __init__(self, data: Corpus, mcfg: ModelConfig, max_tokens: int, label_smoothing: float,
                  autocast: Callable[[], ContextManager], rank: int, world: int, device: torch.device,
-                 buckets: ShapeBuckets | None = None, fused_dtype: torch.dtype | None = None):
-        """`buckets`: pad each dev batch to its bucketed shape (`train.shape_buckets`); `fused_dtype`:
-        the fused projection + loss in this matmul dtype (`train.fused_loss`), None: logits, then the loss."""
+                 buckets: ShapeBuckets | None = None, fused_output: tuple[torch.Tensor, torch.dtype] | None = None):
+        """`buckets`: pad each dev batch to its bucketed shape (`train.shape_buckets`); `fused_output`:
+        the fused projection + loss, as the steps compute it (`step.micro_batch_loss`, `train.fused_loss`)."""
         self.data, self.mcfg, self.label_smoothing, self.autocast = data, mcfg, label_smoothing, autocast
         self.rank, self.world, self.device = rank, world, device
-        self.buckets, self.fused_dtype = buckets, fused_dtype
+        self.buckets, self.fused_output = buckets, fused_output
         d, limit = data, mcfg.max_positions
         rows = np.flatnonzero((d.src_len + 1 <= limit) & (d.tgt_len + 1 <= limit))
         self.batches = batching.plan_eval_batches(rows, d.src_len, d.tgt_len, max_tokens)
@@ -51,18 +51,10 @@ class Validator:
         for rows in self.batches[self.rank::self.world]:
             b = batching.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
                                  m.pad_id, m.bos_id, m.eos_id, max_width=m.max_positions, buckets=self.buckets)
-            mb = to_device(b, self.device)
-            fused = self.fused_dtype is not None
-            with self.autocast():
-                # Real positions only, found on the host (as in training): no `nonzero` in the model,
-                # which would break a compiled model's graph into pieces specialized per batch.
-                out = inner(mb.src, mb.tgt_in, nonpad_only=True, src_index=mb.src_index,
-                            tgt_index=mb.tgt_index, hidden_only=fused)  # (M, V), or (M, d) fused
-            if fused:
-                loss, nll = linear_label_smoothed_nll(out, inner.output_proj.weight, mb.target, self.label_smoothing,
-                                                      m.pad_id, self.fused_dtype)
-            else:
-                loss, nll = label_smoothed_nll(out, mb.target, epsilon=self.label_smoothing, ignore_index=m.pad_id)
+            # Real positions only, found on the host (as in training): no `nonzero` in the model,
+            # which would break a compiled model's graph into pieces specialized per batch.
+            loss, nll = micro_batch_loss(inner, to_device(b, self.device), self.label_smoothing, m.pad_id,
+                                         self.autocast, self.fused_output)
             sums += torch.stack([loss.double(), nll.double(), torch.tensor(float(b.num_tgt_tokens),
                                  dtype=torch.float64, device=self.device)])
         inner.train()

@@ -92,8 +92,7 @@ def test_one_worker_equals_the_direct_computation(model_and_config, max_tokens):
     assert got == pytest.approx(want, rel=2e-5)
 
 
-@pytest.mark.parametrize("gpu", [{"buckets": ShapeBuckets()}, {"fused_dtype": torch.float32},
-                                 {"buckets": ShapeBuckets(), "fused_dtype": torch.float32}],
+@pytest.mark.parametrize("gpu", [{"buckets": ShapeBuckets()}, {"fused": True}, {"buckets": ShapeBuckets(), "fused": True}],
                          ids=["buckets", "fused", "both"])
 def test_gpu_batches_and_loss_change_no_figure(model_and_config, monkeypatch, gpu):
     """What a GPU worker validates with (issue 37): dev batches padded to the training steps' shape
@@ -104,7 +103,8 @@ def test_gpu_batches_and_loss_change_no_figure(model_and_config, monkeypatch, gp
     to_device = validate.to_device
     monkeypatch.setattr(validate, "to_device", lambda b, device: shapes.append(b.src.shape + b.tgt_in.shape)
                         or to_device(b, device))
-    v = validator(pairs, mc, 0, 1, 120, **gpu)
+    fused = {"fused_output": (model.output_proj.weight, torch.float32)} if gpu.get("fused") else {}
+    v = validator(pairs, mc, 0, 1, 120, buckets=gpu.get("buckets"), **fused)
     got = v(model)
     want = direct(model, mc, pairs)
     assert got == pytest.approx(want, rel=2e-5)
