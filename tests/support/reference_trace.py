@@ -1,0 +1,204 @@
+"""A bit-exact trace of the training step and of beam search, for refactors that must change no result.
+
+Two fixtures, recorded once and committed (`tests/fixtures/reference_trace.json`), reproduced by
+`tests/unit/core/test_reference_trace.py`:
+
+- **losses**: the Multi30k tiny recipe (`configs/multi30k-tiny.toml`'s model and batch sizes, its seed,
+  in fp32: bf16 is asked for by name only on CPUs that have it, and a fixture must mean the same
+  everywhere) trained by the real loop (`Trainer` on a `LocalSession`) on
+  the real Multi30k task-1 text: each step's loss and nll, the dev loss at the last step, and a
+  digest of the final weights, all as exact bits.
+- **beams**: beam 5 (alpha 1.0, the recipe's `[eval]`) over the first sentences of test_2016_flickr,
+  as token ids, with the checkpoint `tests/support/tiny_model.py` trains deterministically (a 2+2-layer
+  model on WMT news text: its beams are input-dependent, of every length, which a few steps of the
+  recipe are not).
+
+The text is the dataset's own lowercased tokenized files, cut into pieces by a SentencePiece BPE
+model of 8000 pieces trained here on one thread (deterministic). One torch thread throughout: a
+GEMM's reduction order, and so its last bit, may depend on the thread count. It also depends on the
+CPU's instruction sets (MKL and oneDNN pick kernels by them), so the fixture holds one record per
+CPU class (`cpu_class`): the test compares bits against its own class's record and, on a class
+with none, closeness against another's (and says so).
+
+    .venv/bin/python -m tests.support.reference_trace --write   # record at a commit whose results are the reference
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import struct
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURE = REPO / "tests" / "fixtures" / "reference_trace.json"
+RECIPE = REPO / "configs" / "multi30k-tiny.toml"
+TRAIN_STEPS = 8
+BEAM_SENTENCES = 48
+
+
+def multi30k_dir() -> Path:
+    root = os.environ.get("MULTI30K_MIRROR") or str(REPO.parent / "shared" / "data" / "multi30k")
+    return Path(root) / "data" / "task1" / "tok"
+
+
+def wmt14_dir() -> Path:
+    return Path(os.environ.get("WMT14_DATA") or str(REPO.parent / "shared" / "data" / "wmt14"))
+
+
+def _lines(split: str, lang: str) -> list[str]:
+    return (multi30k_dir() / f"{split}.lc.norm.tok.{lang}").read_text(encoding="utf-8").splitlines()
+
+
+def _write_split(sp, out: Path, split: str, limit: int | None = None) -> Path:
+    en, de = _lines(split, "en")[:limit], _lines(split, "de")[:limit]
+    src = [ids + [3] for ids in sp.encode(en)]  # pieces + [eos]
+    tgt = [ids for ids in sp.encode(de)]
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({
+        "idx": pa.array(np.arange(len(src), dtype=np.int64)),
+        "src_ids": pa.array(src, pa.list_(pa.int32())),
+        "tgt_ids": pa.array(tgt, pa.list_(pa.int32())),
+        "src_len": pa.array([len(s) for s in src], pa.int32()),
+        "tgt_len": pa.array([len(t) for t in tgt], pa.int32()),
+        "tgt": pa.array(de),
+    }), out / "part-00000.parquet")
+    return out
+
+
+def encode_multi30k(root: Path) -> dict[str, Path]:
+    """SentencePiece (8000 BPE, our ids) on both sides of the training text, then the three splits."""
+    import sentencepiece as spm
+
+    root.mkdir(parents=True, exist_ok=True)
+    text = _lines("train", "en") + _lines("train", "de")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=str(root / "spm"), vocab_size=8000,
+                                   model_type="bpe", character_coverage=1.0, pad_id=0, unk_id=1, bos_id=2,
+                                   eos_id=3, num_threads=1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(root / "spm.model"))
+    return {"train": _write_split(sp, root / "train", "train"), "dev": _write_split(sp, root / "dev", "val", 256),
+            }
+
+
+def _beams(tiny: dict) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+    """Beam 5 over the first BEAM_SENTENCES test_2016_flickr sources, 16 a batch; and the weights."""
+    import sentencepiece as spm
+
+    from model import ModelConfig, Transformer, beam_search
+    from pipeline.decoding.batching import pad_batch
+
+    mc = ModelConfig.from_dict(tiny["model_config"])
+    state = torch.load(tiny["model"], map_location="cpu", weights_only=True)
+    model = Transformer(mc)
+    model.load_state_dict(state)
+    model.eval()
+    sp = spm.SentencePieceProcessor(model_file=tiny["spm"])
+    src = [ids + [mc.eos_id] for ids in sp.encode(_lines("test_2016_flickr", "en")[:BEAM_SENTENCES])]
+    with torch.inference_mode():
+        beams = [list(map(int, hyp)) for i in range(0, len(src), 16)
+                 for hyp in beam_search(model, pad_batch(src[i:i + 16], mc.pad_id), beam_size=5, alpha=1.0,
+                                        max_len_a=1.0, max_len_b=50)]
+    return beams, state
+
+
+def _bits(x: float) -> str:
+    return struct.pack(">d", float(x)).hex()
+
+
+def _digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def trace(root: Path) -> dict:
+    """Both fixtures, computed now under `root` (a scratch folder)."""
+    from model import ModelConfig
+    from pipeline.config import load_config
+    from pipeline.train.loop import LocalSession, LoopSpec, Trainer
+    from tests.support.tiny_model import train_tiny_model
+
+    threads = torch.get_num_threads()
+    try:
+        splits = encode_multi30k(root / "data")
+        cfg = load_config(RECIPE)
+        t = cfg.train
+        t.max_steps, t.log_interval_steps, t.precision = TRAIN_STEPS, 1, "fp32"
+        t.eval_interval_steps = t.checkpoint_interval_steps = TRAIN_STEPS
+        cfg.eval.dev_bleu = False
+        mc = ModelConfig(vocab_size=8000, d_model=cfg.model.d_model, d_ff=cfg.model.d_ff, n_heads=cfg.model.n_heads,
+                         n_encoder_layers=cfg.model.n_encoder_layers, n_decoder_layers=cfg.model.n_decoder_layers,
+                         dropout=cfg.model.dropout, max_positions=cfg.model.max_positions)
+        spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(splits["train"]),
+                        dev_dir=str(splits["dev"]), num_threads=1)
+        session = LocalSession(root / "ckpt")
+        summary = Trainer(spec, session).run()
+        state = torch.load(session.checkpoints()[-1] / "model.pt", map_location="cpu", weights_only=True)
+        tiny = train_tiny_model(wmt14_dir(), root / "tiny")  # one thread, seeded
+        beams, tiny_state = _beams(tiny)
+        return {"precision": summary["precision"],
+                "losses": [[_bits(h[1]), _bits(h[2])] for h in summary["history_train"]],
+                "val": [[_bits(h[1]), _bits(h[2])] for h in summary["history_val"]],
+                "weights_sha256": _digest(state), "tiny_weights_sha256": _digest(tiny_state), "beams": beams}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cpu_class() -> str:
+    """The CPU's vendor and the instruction sets its GEMM kernels are picked by."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine()
+    fields = dict(line.split(":", 1) for line in info if ":" in line)
+    flags = set(fields.get("flags\t\t", fields.get("flags", "")).split())
+    vendor = fields.get("vendor_id\t", fields.get("vendor_id", "")).strip()
+    found = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return " ".join([vendor or platform.machine(), *found])
+
+
+def dumps(records: dict[str, dict]) -> str:
+    """JSON with one beam per line (a diff then names the sentence that changed)."""
+    parts = []
+    for cls, got in records.items():
+        beams = ",\n   ".join(json.dumps(b) for b in got["beams"])
+        head = json.dumps({k: v for k, v in got.items() if k != "beams"})
+        parts.append(f' {json.dumps(cls)}: {{\n  "record": {head},\n  "beams": [\n   {beams}\n  ]\n }}')
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
+def load() -> dict[str, dict]:
+    """{cpu class: record}, each record with its "beams"."""
+    return {cls: {**v["record"], "beams": v["beams"]} for cls, v in json.loads(FIXTURE.read_text()).items()}
+
+
+def main() -> int:
+    import tempfile
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--write", action="store_true", help=f"add this CPU class's record to {FIXTURE.relative_to(REPO)}")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        got = trace(Path(tmp))
+    got["torch"] = torch.__version__
+    if args.write:
+        records = load() if FIXTURE.exists() else {}
+        records[cpu_class()] = got
+        FIXTURE.parent.mkdir(parents=True, exist_ok=True)
+        FIXTURE.write_text(dumps(records))
+    print(cpu_class(), {k: v for k, v in got.items() if k != "beams"})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
