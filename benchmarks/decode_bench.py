@@ -286,7 +286,7 @@ def compare_engines(args: argparse.Namespace) -> dict:
     return results
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--where", action="store_true",
                    help="instead: the translate stage's time on a trained model (--config), in process vs "
@@ -315,63 +315,88 @@ def main() -> None:
     p.add_argument("--ref-file", default="", help="--engines: reference lines (default: newstest2014.de of --data)")
     p.add_argument("--tokenize", default="13a",
                    help="--engines: sacreBLEU tokenizer ('none' for text already tokenized, e.g. Multi30k's)")
-    args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if args.where or args.engines:
-        results = where_time_goes(args) if args.where else compare_engines(args)
-        print(json.dumps(results, indent=2))
-        if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-        return
-    import ray
+    return p.parse_args()
 
-    model_cfg = {"d_model": args.d_model, "d_ff": 4 * args.d_model, "n_heads": 4, "n_encoder_layers": args.layers,
-                 "n_decoder_layers": args.layers, "max_positions": 512, "dropout": 0.0}
-    settings = asdict(DecodeSettings(beam_size=args.beam, max_len_b=args.max_len_b))
-    results: dict = {"settings": settings, "model": model_cfg, "num_sentences": args.num_sentences,
-                     "batch_tokens": args.batch_tokens, "runs": []}
-    workers = [int(w) for w in args.workers.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        assets = make_assets(Path(tmp), Path(args.data), args.num_sentences, model_cfg)
-        ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-        timings: dict = {"plain": [], **{n: [] for n in workers}, **{("probe", n): [] for n in workers}}
-        cpu: dict = {"plain": [], **{n: [] for n in workers}}
-        same = True
-        try:  # rounds alternate the modes; the best of each is kept (the box is shared and noisy)
-            for r in range(args.repeats):
-                wall, plain_hyps, cpu_s = plain_loop(assets, settings, args.batch_tokens, threads=1)
-                timings["plain"].append(wall)
-                cpu["plain"].append(cpu_s)
-                log.info("round %d: plain loop, 1 thread: %.1f s", r, wall)
-                for n in workers:
-                    timings[("probe", n)].append(ray_run(assets, settings, args.batch_tokens, n, args.actor_cpus,
-                                                         probe=True)[0])
-                    wall, hyps, cpu_s = ray_run(assets, settings, args.batch_tokens, n, args.actor_cpus)
-                    timings[n].append(wall)
-                    cpu[n].append(cpu_s)
-                    same &= hyps == plain_hyps
-                    log.info("round %d: ray data, %d worker(s): %.1f s (start-up probe %.1f s)", r, n, wall,
-                             timings[("probe", n)][-1])
-        finally:
-            ray.shutdown()
+
+def alternate_rounds(args: argparse.Namespace, assets: dict, settings: dict, workers: list[int]) -> tuple:
+    """``--repeats`` rounds, each the plain loop then, per worker count, the start-up probe and the
+    Ray Data run; returns (wall seconds per mode, CPU seconds per mode, whether all hypotheses agree).
+
+    The modes alternate within each round so that a shared, noisy box slows them alike."""
+    timings: dict = {"plain": [], **{n: [] for n in workers}, **{("probe", n): [] for n in workers}}
+    cpu: dict = {"plain": [], **{n: [] for n in workers}}
+    same = True
+    for r in range(args.repeats):
+        wall, plain_hyps, cpu_s = plain_loop(assets, settings, args.batch_tokens, threads=1)
+        timings["plain"].append(wall)
+        cpu["plain"].append(cpu_s)
+        log.info("round %d: plain loop, 1 thread: %.1f s", r, wall)
+        for n in workers:
+            timings[("probe", n)].append(ray_run(assets, settings, args.batch_tokens, n, args.actor_cpus,
+                                                 probe=True)[0])
+            wall, hyps, cpu_s = ray_run(assets, settings, args.batch_tokens, n, args.actor_cpus)
+            timings[n].append(wall)
+            cpu[n].append(cpu_s)
+            same &= hyps == plain_hyps
+            log.info("round %d: ray data, %d worker(s): %.1f s (start-up probe %.1f s)", r, n, wall,
+                     timings[("probe", n)][-1])
+    return timings, cpu, same
+
+
+def summarize_runs(args: argparse.Namespace, timings: dict, cpu: dict, workers: list[int]) -> list[dict]:
+    """One row per mode, from the best round of each (the box is shared): sentences/s, and each Ray
+    run against the plain loop, whole and steady (its start-up probe left out)."""
     plain_sps = args.num_sentences / min(timings["plain"])
-    results["runs"].append({"mode": "plain loop", "threads": 1, "wall_s": timings["plain"],
-                            "cpu_s": cpu["plain"], "sentences_per_s": plain_sps})
+    runs = [{"mode": "plain loop", "threads": 1, "wall_s": timings["plain"],
+             "cpu_s": cpu["plain"], "sentences_per_s": plain_sps}]
     for n in workers:
         wall, startup = min(timings[n]), min(timings[("probe", n)])
         sps = args.num_sentences / wall
         steady = args.num_sentences / (wall - startup) if wall > startup else float("nan")
-        results["runs"].append({
+        runs.append({
             "mode": "ray data", "workers": n, "threads_per_worker": max(1, int(args.actor_cpus)),
             "wall_s": timings[n], "startup_s": timings[("probe", n)], "sentences_per_s": sps,
             "actor_cpu_s": cpu[n], "actor_cpu_vs_plain_cpu": min(cpu[n]) / min(cpu["plain"]),
             "per_worker_vs_plain": sps / n / plain_sps, "steady_sentences_per_s": steady,
             "steady_per_worker_vs_plain": steady / n / plain_sps})
-    results["same_hypotheses"] = same
+    return runs
+
+
+def ray_vs_plain(args: argparse.Namespace) -> dict:
+    """The default mode: the translate stage's Ray Data path (1..N workers) vs a plain loop, on a
+    random model and the newstest2014 head."""
+    import ray
+
+    model_cfg = {"d_model": args.d_model, "d_ff": 4 * args.d_model, "n_heads": 4, "n_encoder_layers": args.layers,
+                 "n_decoder_layers": args.layers, "max_positions": 512, "dropout": 0.0}
+    settings = asdict(DecodeSettings(beam_size=args.beam, max_len_b=args.max_len_b))
+    workers = [int(w) for w in args.workers.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        assets = make_assets(Path(tmp), Path(args.data), args.num_sentences, model_cfg)
+        ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+        try:
+            timings, cpu, same = alternate_rounds(args, assets, settings, workers)
+        finally:
+            ray.shutdown()
+    results: dict = {"settings": settings, "model": model_cfg, "num_sentences": args.num_sentences,
+                     "batch_tokens": args.batch_tokens, "runs": summarize_runs(args, timings, cpu, workers),
+                     "same_hypotheses": same}
     for run in results["runs"]:
         log.info("%s", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in run.items()})
     log.info("plain loop and every Ray run gave the same hypotheses: %s", same)
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.where:
+        results = where_time_goes(args)
+    elif args.engines:
+        results = compare_engines(args)
+    else:
+        results = ray_vs_plain(args)
     print(json.dumps(results, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
