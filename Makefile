@@ -47,6 +47,8 @@ plan: install
 # The import contracts first (lint-imports: a broken one stops here), then two tiers: the fast one
 # first (a failure stops here, in seconds), then the rest; each prints its 25 slowest tests, and
 # the total wall time comes last. Every test has a bound (pytest-timeout, pyproject.toml).
+# The fast tier holds the code size limits too (tests/unit/core/test_code_size.py: functions,
+# classes and modules of model/, pipeline/, workflows/ and benchmarks/).
 PYTEST_TIERS := --durations=25
 
 test: install

@@ -139,18 +139,10 @@ def plain_encode(prepared: dict, model: str, out_dir: Path) -> tuple[int, float]
     return rows, time.perf_counter() - t0
 
 
-def child(args: argparse.Namespace) -> dict:
-    """One scale, in its own process and its own local Ray."""
-    import ray
-
-    from pipeline.data import download
-    from pipeline.data import encode
-    from pipeline.data import prepare
-    from pipeline.data import vocab
+def _child_config(args: argparse.Namespace, work: Path):
+    """The data phase's config for one scale: the custom corpus of ``--files``, 2 shards, a 2000-piece vocab."""
     from pipeline.config import Config
-    from pipeline.stage import Manifest, StageContext
 
-    work = Path(args.work)
     files = json.loads(Path(args.files).read_text())
     cfg = Config()
     cfg.data.source = "custom"
@@ -159,24 +151,30 @@ def child(args: argparse.Namespace) -> dict:
     cfg.data.num_shards = 2
     cfg.vocab.size, cfg.vocab.sample_sentences = 2000, 200_000
     cfg.run.work_dir = str(work / f"run{args.scale}")
-    # address="local": always a fresh local Ray, never another process's cluster on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    mem = PeakMemory()
-    time.sleep(3)
-    baseline = mem.sample() / 2**20
-    res: dict = {"scale": args.scale, "baseline_mb": round(baseline, 1)}
+    return cfg
 
-    def stage(module, name, **inputs):
-        out = Path(cfg.run.work_dir) / name
-        t0 = time.perf_counter()
-        r = module.run(StageContext(name, "k", cfg, str(out), inputs))
-        res[f"{name}_s"] = round(time.perf_counter() - t0, 2)
-        return Manifest(name, "k", str(out), r.outputs, r.metrics)
 
-    dl = stage(download, "download")
+def _run_stage(cfg, res: dict, module, name: str, **inputs):
+    """One data stage's ``run`` in this process, its seconds into ``res`` as ``<name>_s``; its manifest."""
+    from pipeline.stage import Manifest, StageContext
+
+    out = Path(cfg.run.work_dir) / name
+    t0 = time.perf_counter()
+    r = module.run(StageContext(name, "k", cfg, str(out), inputs))
+    res[f"{name}_s"] = round(time.perf_counter() - t0, 2)
+    return Manifest(name, "k", str(out), r.outputs, r.metrics)
+
+
+def _prepare_and_vocab(args: argparse.Namespace, cfg, mem: "PeakMemory", res: dict) -> tuple:
+    """download, prepare (its peak memory) and vocab (or --vocab-model's); their manifests (prepare, vocab)."""
+    from pipeline.data import download
+    from pipeline.data import prepare
+    from pipeline.data import vocab
+    from pipeline.stage import Manifest
+
+    dl = _run_stage(cfg, res, download, "download")
     mem.reset()
-    prep = stage(prepare, "prepare", download=dl)
+    prep = _run_stage(cfg, res, prepare, "prepare", download=dl)
     res["prepare_peak_mb"] = round(mem.peak_mb, 1)
     res["prepare_peaks_mb"] = mem.peaks_mb()
     res["train_pairs"] = prep.outputs["splits"]["train"]["num_rows"]
@@ -184,10 +182,17 @@ def child(args: argparse.Namespace) -> dict:
         voc = Manifest("vocab", "k", "", {"model": args.vocab_model, "vocab_size": 2000, "pad_id": 0, "unk_id": 1,
                                           "bos_id": 2, "eos_id": 3})
     else:
-        voc = stage(vocab, "vocab", prepare=prep)
+        voc = _run_stage(cfg, res, vocab, "vocab", prepare=prep)
     res["vocab_model"] = voc.outputs["model"]
+    return prep, voc
 
-    first: list[float] = []  # when the driver got the first encoded batch: the actor pool is up
+
+def _encode_timed(cfg, mem: "PeakMemory", res: dict, prep, voc) -> int:
+    """The encode stage: its peak memory, pairs/s, and its start-up (until the driver got the first
+    encoded batch: the actor pool is up) and steady rate; returns the rows encoded."""
+    from pipeline.data import encode
+
+    first: list[float] = []  # when the driver got the first encoded batch
     orig = encode.encoded_batches
 
     def timed(*a, **k):
@@ -197,7 +202,7 @@ def child(args: argparse.Namespace) -> dict:
 
     encode.encoded_batches = timed
     mem.reset()
-    enc = stage(encode, "encode", prepare=prep, vocab=voc)
+    enc = _run_stage(cfg, res, encode, "encode", prepare=prep, vocab=voc)
     t_last = time.perf_counter()
     res["encode_peak_mb"] = round(mem.peak_mb, 1)
     res["encode_peaks_mb"] = mem.peaks_mb()
@@ -207,6 +212,24 @@ def child(args: argparse.Namespace) -> dict:
     res["ray_pairs_per_s"] = round(rows / res["encode_s"], 1)
     res["ray_startup_s"] = round(res["encode_s"] - (t_last - first[0]), 2)
     res["ray_steady_pairs_per_s"] = round(rows / (t_last - first[0]), 1)
+    return rows
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One scale, in its own process and its own local Ray."""
+    import ray
+
+    work = Path(args.work)
+    cfg = _child_config(args, work)
+    # address="local": always a fresh local Ray, never another process's cluster on this machine.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    mem = PeakMemory()
+    time.sleep(3)
+    baseline = mem.sample() / 2**20
+    res: dict = {"scale": args.scale, "baseline_mb": round(baseline, 1)}
+    prep, voc = _prepare_and_vocab(args, cfg, mem, res)
+    rows = _encode_timed(cfg, mem, res, prep, voc)
     mem.stop()
     ray.shutdown()
     n, wall = plain_encode(prep.outputs["splits"], voc.outputs["model"], work / f"plain{args.scale}")

@@ -222,71 +222,7 @@ def _clocked(start: float, outs: list) -> dict:
             "calls_s": float((df["t1"] - df["t0"]).sum()), "after_last_call_s": end - float(df["t1"].max())}
 
 
-ENGINES = (("ours (torch beam search, GNMT lp)", "torch", ""),
-           ("ours, finished sentences kept to the batch's end", "torch-carry", ""),
-           ("ctranslate2 float32", "ctranslate2", "ct2_float32"), ("ctranslate2 int8", "ctranslate2", "ct2_int8"))
-
-
-def engine_assets(args: argparse.Namespace, root: Path) -> dict:
-    """Weights for ``--engines``: the model of a pipeline config (``--config``, its DAG plan's
-    average + vocab; ``--work-dir`` replaces its run.work_dir; ``pipeline.models.find_model``),
-    else the tiny model of tests/support/tiny_model.py trained here (~30 s); exported here."""
-    from pipeline.models import find_model
-    from pipeline.decoding.conversion import export_all
-
-    if args.config:
-        files = find_model(config=args.config, work_dir=args.work_dir)
-        assets = {"model": files.model, "model_config": files.model_config, "spm": files.spm}
-    else:
-        from tests.support.tiny_model import train_tiny_model
-
-        assets = train_tiny_model(Path(args.data), root / "tiny")
-    assets.update(export_all(assets["model"], assets["model_config"], assets["spm"], root / "export"))
-    return assets
-
-
-def compare_engines(args: argparse.Namespace) -> dict:
-    """Our beam search, CTranslate2 float32 and int8 on the same weights and planned batches, in
-    this process, one thread each: sentences/s and sacreBLEU against the newstest2014 references."""
-    import sacrebleu
-
-    from model.transformer import DecoderState
-
-    data = Path(args.data)
-    src_file, ref_file = Path(args.src_file or data / "newstest2014.en"), Path(args.ref_file or data / "newstest2014.de")
-    src = src_file.read_text(encoding="utf-8").splitlines()[:args.num_sentences]
-    refs = ref_file.read_text(encoding="utf-8").splitlines()[:args.num_sentences]
-    settings = asdict(DecodeSettings(beam_size=args.beam, alpha=args.alpha))  # §6.1: beam 4, alpha 0.6
-    results: dict = {"settings": settings, "num_sentences": len(src), "threads": args.threads, "engines": []}
-    torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        assets = engine_assets(args, Path(tmp))
-        results["model"] = assets["model_config"]
-        first = None
-        for name, backend, folder in ENGINES:
-            carry = backend == "torch-carry"  # the search before finished sentences left the batch
-            tr = translator.Translator(assets["model"], assets["model_config"], assets["spm"], settings,
-                                      num_threads=args.threads, backend="torch" if carry else backend,
-                                      ct2_model=assets.get(folder, ""))
-            DecoderState.drops_sentences = not carry
-            try:
-                start = time.perf_counter()
-                hyps, _ = translator.translate_lines(tr, src, args.batch_tokens)
-                wall = time.perf_counter() - start
-            finally:
-                DecoderState.drops_sentences = True
-            first = hyps if first is None else first
-            bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize=args.tokenize).score
-            results["engines"].append({"engine": name, "wall_s": wall, "sentences_per_s": len(src) / wall,
-                                       "bleu_sacre": bleu, "same_as_ours": hyps == first})
-            log.info("%-34s %7.1f sentences/s  BLEU %5.2f", name, len(src) / wall, bleu)
-    base = results["engines"][0]["sentences_per_s"]
-    for e in results["engines"]:
-        e["speed_vs_ours"] = e["sentences_per_s"] / base
-    return results
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--where", action="store_true",
                    help="instead: the translate stage's time on a trained model (--config), in process vs "
@@ -315,63 +251,90 @@ def main() -> None:
     p.add_argument("--ref-file", default="", help="--engines: reference lines (default: newstest2014.de of --data)")
     p.add_argument("--tokenize", default="13a",
                    help="--engines: sacreBLEU tokenizer ('none' for text already tokenized, e.g. Multi30k's)")
-    args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if args.where or args.engines:
-        results = where_time_goes(args) if args.where else compare_engines(args)
-        print(json.dumps(results, indent=2))
-        if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-        return
-    import ray
+    return p.parse_args()
 
-    model_cfg = {"d_model": args.d_model, "d_ff": 4 * args.d_model, "n_heads": 4, "n_encoder_layers": args.layers,
-                 "n_decoder_layers": args.layers, "max_positions": 512, "dropout": 0.0}
-    settings = asdict(DecodeSettings(beam_size=args.beam, max_len_b=args.max_len_b))
-    results: dict = {"settings": settings, "model": model_cfg, "num_sentences": args.num_sentences,
-                     "batch_tokens": args.batch_tokens, "runs": []}
-    workers = [int(w) for w in args.workers.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        assets = make_assets(Path(tmp), Path(args.data), args.num_sentences, model_cfg)
-        ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-        timings: dict = {"plain": [], **{n: [] for n in workers}, **{("probe", n): [] for n in workers}}
-        cpu: dict = {"plain": [], **{n: [] for n in workers}}
-        same = True
-        try:  # rounds alternate the modes; the best of each is kept (the box is shared and noisy)
-            for r in range(args.repeats):
-                wall, plain_hyps, cpu_s = plain_loop(assets, settings, args.batch_tokens, threads=1)
-                timings["plain"].append(wall)
-                cpu["plain"].append(cpu_s)
-                log.info("round %d: plain loop, 1 thread: %.1f s", r, wall)
-                for n in workers:
-                    timings[("probe", n)].append(ray_run(assets, settings, args.batch_tokens, n, args.actor_cpus,
-                                                         probe=True)[0])
-                    wall, hyps, cpu_s = ray_run(assets, settings, args.batch_tokens, n, args.actor_cpus)
-                    timings[n].append(wall)
-                    cpu[n].append(cpu_s)
-                    same &= hyps == plain_hyps
-                    log.info("round %d: ray data, %d worker(s): %.1f s (start-up probe %.1f s)", r, n, wall,
-                             timings[("probe", n)][-1])
-        finally:
-            ray.shutdown()
+
+def alternate_rounds(args: argparse.Namespace, assets: dict, settings: dict, workers: list[int]) -> tuple:
+    """``--repeats`` rounds, each the plain loop then, per worker count, the start-up probe and the
+    Ray Data run; returns (wall seconds per mode, CPU seconds per mode, whether all hypotheses agree).
+
+    The modes alternate within each round so that a shared, noisy box slows them alike."""
+    timings: dict = {"plain": [], **{n: [] for n in workers}, **{("probe", n): [] for n in workers}}
+    cpu: dict = {"plain": [], **{n: [] for n in workers}}
+    same = True
+    for r in range(args.repeats):
+        wall, plain_hyps, cpu_s = plain_loop(assets, settings, args.batch_tokens, threads=1)
+        timings["plain"].append(wall)
+        cpu["plain"].append(cpu_s)
+        log.info("round %d: plain loop, 1 thread: %.1f s", r, wall)
+        for n in workers:
+            timings[("probe", n)].append(ray_run(assets, settings, args.batch_tokens, n, args.actor_cpus,
+                                                 probe=True)[0])
+            wall, hyps, cpu_s = ray_run(assets, settings, args.batch_tokens, n, args.actor_cpus)
+            timings[n].append(wall)
+            cpu[n].append(cpu_s)
+            same &= hyps == plain_hyps
+            log.info("round %d: ray data, %d worker(s): %.1f s (start-up probe %.1f s)", r, n, wall,
+                     timings[("probe", n)][-1])
+    return timings, cpu, same
+
+
+def summarize_runs(args: argparse.Namespace, timings: dict, cpu: dict, workers: list[int]) -> list[dict]:
+    """One row per mode, from the best round of each (the box is shared): sentences/s, and each Ray
+    run against the plain loop, whole and steady (its start-up probe left out)."""
     plain_sps = args.num_sentences / min(timings["plain"])
-    results["runs"].append({"mode": "plain loop", "threads": 1, "wall_s": timings["plain"],
-                            "cpu_s": cpu["plain"], "sentences_per_s": plain_sps})
+    runs = [{"mode": "plain loop", "threads": 1, "wall_s": timings["plain"],
+             "cpu_s": cpu["plain"], "sentences_per_s": plain_sps}]
     for n in workers:
         wall, startup = min(timings[n]), min(timings[("probe", n)])
         sps = args.num_sentences / wall
         steady = args.num_sentences / (wall - startup) if wall > startup else float("nan")
-        results["runs"].append({
+        runs.append({
             "mode": "ray data", "workers": n, "threads_per_worker": max(1, int(args.actor_cpus)),
             "wall_s": timings[n], "startup_s": timings[("probe", n)], "sentences_per_s": sps,
             "actor_cpu_s": cpu[n], "actor_cpu_vs_plain_cpu": min(cpu[n]) / min(cpu["plain"]),
             "per_worker_vs_plain": sps / n / plain_sps, "steady_sentences_per_s": steady,
             "steady_per_worker_vs_plain": steady / n / plain_sps})
-    results["same_hypotheses"] = same
+    return runs
+
+
+def ray_vs_plain(args: argparse.Namespace) -> dict:
+    """The default mode: the translate stage's Ray Data path (1..N workers) vs a plain loop, on a
+    random model and the newstest2014 head."""
+    import ray
+
+    model_cfg = {"d_model": args.d_model, "d_ff": 4 * args.d_model, "n_heads": 4, "n_encoder_layers": args.layers,
+                 "n_decoder_layers": args.layers, "max_positions": 512, "dropout": 0.0}
+    settings = asdict(DecodeSettings(beam_size=args.beam, max_len_b=args.max_len_b))
+    workers = [int(w) for w in args.workers.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        assets = make_assets(Path(tmp), Path(args.data), args.num_sentences, model_cfg)
+        ray.init(address="local", num_cpus=args.ray_cpus, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+        try:
+            timings, cpu, same = alternate_rounds(args, assets, settings, workers)
+        finally:
+            ray.shutdown()
+    results: dict = {"settings": settings, "model": model_cfg, "num_sentences": args.num_sentences,
+                     "batch_tokens": args.batch_tokens, "runs": summarize_runs(args, timings, cpu, workers),
+                     "same_hypotheses": same}
     for run in results["runs"]:
         log.info("%s", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in run.items()})
     log.info("plain loop and every Ray run gave the same hypotheses: %s", same)
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.where:
+        results = where_time_goes(args)
+    elif args.engines:
+        from decode.engines import compare_engines  # benchmarks/decode/, beside this script
+
+        results = compare_engines(args)
+    else:
+        results = ray_vs_plain(args)
     print(json.dumps(results, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

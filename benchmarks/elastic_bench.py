@@ -1,4 +1,4 @@
-"""What a node loss, a preemption notice and a tracking outage cost a training run (issue 17).
+"""What a node loss, a preemption notice and a tracking outage cost a training run.
 
 1. Two Ray nodes on this machine (one CPU each, tests/support/procs.py), the real `train` stage with
    `train.num_workers = [1, 2]` on the scale bench's synthetic corpus (benchmarks/scale_bench.py:

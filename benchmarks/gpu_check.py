@@ -222,99 +222,101 @@ def environment(pr: Profile) -> dict:
     return env
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--peak-flops", type=float, default=989e12, help="bf16 dense peak (H200/H100 SXM: 989e12)")
-    ap.add_argument("--mirror", default=os.environ.get("WMT14_MIRROR", str(REPO.parent / "shared/data/statmt-mirror")),
-                    help="the WMT14 mirror for real sentence lengths (absent: a lognormal fit of them)")
-    ap.add_argument("--json", default="gpu_check.json", help="where the JSON goes ('' = nowhere)")
-    ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="seconds for all sections together")
-    ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks this script, measures nothing")
-    ap.add_argument("--multi30k", default=str(REPO / ".gpu/multi30k"),
-                    help="a bundle of benchmarks/gpu_multi30k.py: the Multi30k tiny recipe end to end (absent: skipped)")
-    args = ap.parse_args(argv)
-    if not args.smoke and not torch.cuda.is_available():
-        print("gpu_check needs a CUDA GPU (or --smoke)", file=sys.stderr)
-        return 2
-    pr = Profile(args.smoke)
-    rep = Report(args.budget)
-    rng = np.random.default_rng(0)
-    words = lengths(None if pr.smoke else Path(args.mirror), rng)
-    env = environment(pr)
-    B = pr.budget
+class Sections:
+    """The sections' bodies, each returning (figures, table text). They share the run's profile, the
+    synthetic corpus, and the trainer of "train base eager" (its tokens/s too), which the sections
+    after it reuse until it is dropped (``held``)."""
 
+    def __init__(self, pr: Profile, args: argparse.Namespace, work: Path, train_dir: Path):
+        self.pr, self.args, self.work, self.train_dir = pr, args, work, train_dir
+        self.held: dict[str, Any] = {}
+
+    def train_row(self, size: str, compile_: bool) -> Callable[[], tuple[dict, str]]:
+        """A train row: tokens/s and both MFUs; base eager's trainer is kept for the sections after it."""
+        pr, args = self.pr, self.args
+
+        def fn():
+            res, trainer = train(pr, size, compile_, self.train_dir, self.work)
+            res["mfu_pct"] = 100 * res["model_flops_per_step"] * res["tgt_tokens_per_s"] / pr.tokens_per_step \
+                / args.peak_flops
+            res["mfu_counted_pct"] = 100 * res["counted_flops_per_tgt_token"] * res["tgt_tokens_per_s"] \
+                / args.peak_flops
+            if size == "base" and not compile_:
+                self.held["trainer"], self.held["tps"] = trainer, res["tgt_tokens_per_s"]
+            else:
+                del trainer
+                _free(pr)
+            graphs = f", {res['compiled_graphs']} compiled graph(s)" if compile_ else ""
+            return res, (f"{res['tgt_tokens_per_s']:,.0f} tgt tok/s, MFU {res['mfu_pct']:.1f}% "
+                         f"(counted FLOPs: {res['mfu_counted_pct']:.1f}%) ({res['precision']}, "
+                         f"{res['params'] / 1e6:.0f}M params, last {res['measured_steps']} of {res['steps']} "
+                         f"steps, {res['batch_shapes']} batch shapes{graphs})")
+        return fn
+
+    def needs_trainer(self, fn: Callable[[Trainer], tuple[dict, str]]) -> Callable[[], tuple[dict, str]]:
+        """``fn`` on base eager's trainer; fails if that section did not finish."""
+        def wrapped():
+            if "trainer" not in self.held:
+                raise RuntimeError("needs the 'train base eager' section's trainer, which did not finish")
+            return fn(self.held["trainer"])
+        return wrapped
+
+    def drop_trainer(self) -> None:
+        self.held.pop("trainer", None)
+        _free(self.pr)
+
+    def syncs(self, trainer: Trainer) -> tuple[dict, str]:
+        plain, last = count_syncs(trainer, self.pr.device)
+        note = "" if self.pr.device.startswith("cuda") else " (CPU: nothing to count)"
+        return ({"syncs_per_plain_step": plain, "syncs_on_log_checkpoint_step": last},
+                f"{plain:.2f} per plain step, {last} on a log+checkpoint step{note}")
+
+    def profile(self, trainer: Trainer) -> tuple[dict, str]:
+        r = step_profile(trainer, self.pr.device)
+        gpu = (f", {r['launches_per_step']:.0f} kernel launches, device busy {r['device_ms_per_step']:.1f} ms"
+               if "launches_per_step" in r else "")
+        return r, f"{r['aten_ops_per_step']:.0f} aten ops per step, {r['wall_ms_per_step']:.1f} ms wall{gpu}"
+
+    def stall(self, trainer: Trainer) -> tuple[dict, str]:
+        r = checkpoint_stall(trainer, self.work / "ckpt-stall")
+        return r, f"{r['checkpoint_stall_s']:.2f} s for {r['checkpoint_bytes'] / 2**20:.0f} MiB (save; upload async)"
+
+    def ddp(self, trainer: Trainer) -> tuple[dict, str]:
+        return ddp_section(self.pr, trainer, self.held["tps"])
+
+    def multi30k(self) -> tuple[dict, str]:
+        import gpu_multi30k
+
+        overrides = SMOKE_MULTI30K if self.pr.smoke else None
+        r = gpu_multi30k.run(Path(self.args.multi30k), self.pr.device, self.work / "multi30k", overrides)
+        return r, (f"{r['steps']} steps in {r['train_s']:.1f} s ({r['ms_per_step']:.1f} ms/step, {r['precision']}, "
+                   f"{r['batch_shapes']} batch shapes); last {len(r['averaged'])} averaged; beam {r['beam_size']} "
+                   f"over {r['sentences']} test sentences in {r['decode_s']:.2f} s; BLEU4 {r['bleu4']:.2f}")
+
+
+def run_sections(rep: Report, pr: Profile, args: argparse.Namespace, rng: np.random.Generator,
+                 words: np.ndarray) -> None:
+    """Every section in order, each under its budget: the ones on base eager's trainer right after it."""
+    B = pr.budget
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         scale_bench.BENCH_VOCAB = pr.vocab  # real vocabulary ids for the models
         train_dir = scale_bench.write_corpus(work / "corpus", pr.corpus_pairs, words)
-        held: dict[str, Any] = {}
-
-        def train_row(size: str, compile_: bool):
-            def fn():
-                res, trainer = train(pr, size, compile_, train_dir, work)
-                res["mfu_pct"] = 100 * res["model_flops_per_step"] * res["tgt_tokens_per_s"] / pr.tokens_per_step \
-                    / args.peak_flops
-                res["mfu_counted_pct"] = 100 * res["counted_flops_per_tgt_token"] * res["tgt_tokens_per_s"] \
-                    / args.peak_flops
-                if size == "base" and not compile_:
-                    held["trainer"], held["tps"] = trainer, res["tgt_tokens_per_s"]
-                else:
-                    del trainer
-                    _free(pr)
-                graphs = f", {res['compiled_graphs']} compiled graph(s)" if compile_ else ""
-                return res, (f"{res['tgt_tokens_per_s']:,.0f} tgt tok/s, MFU {res['mfu_pct']:.1f}% "
-                             f"(counted FLOPs: {res['mfu_counted_pct']:.1f}%) ({res['precision']}, "
-                             f"{res['params'] / 1e6:.0f}M params, last {res['measured_steps']} of {res['steps']} "
-                             f"steps, {res['batch_shapes']} batch shapes{graphs})")
-            return fn
-
-        def needs_trainer(fn):
-            def wrapped():
-                if "trainer" not in held:
-                    raise RuntimeError("needs the 'train base eager' section's trainer, which did not finish")
-                return fn(held["trainer"])
-            return wrapped
-
-        def syncs(trainer):
-            plain, last = count_syncs(trainer, pr.device)
-            note = "" if pr.device.startswith("cuda") else " (CPU: nothing to count)"
-            return ({"syncs_per_plain_step": plain, "syncs_on_log_checkpoint_step": last},
-                    f"{plain:.2f} per plain step, {last} on a log+checkpoint step{note}")
-
-        def profile(trainer):
-            r = step_profile(trainer, pr.device)
-            gpu = (f", {r['launches_per_step']:.0f} kernel launches, device busy {r['device_ms_per_step']:.1f} ms"
-                   if "launches_per_step" in r else "")
-            return r, f"{r['aten_ops_per_step']:.0f} aten ops per step, {r['wall_ms_per_step']:.1f} ms wall{gpu}"
-
-        def multi30k():
-            import gpu_multi30k
-
-            overrides = SMOKE_MULTI30K if pr.smoke else None
-            r = gpu_multi30k.run(Path(args.multi30k), pr.device, work / "multi30k", overrides)
-            return r, (f"{r['steps']} steps in {r['train_s']:.1f} s ({r['ms_per_step']:.1f} ms/step, {r['precision']}, "
-                       f"{r['batch_shapes']} batch shapes); last {len(r['averaged'])} averaged; beam {r['beam_size']} "
-                       f"over {r['sentences']} test sentences in {r['decode_s']:.2f} s; BLEU4 {r['bleu4']:.2f}")
-
-        def stall(trainer):
-            r = checkpoint_stall(trainer, work / "ckpt-stall")
-            return r, f"{r['checkpoint_stall_s']:.2f} s for {r['checkpoint_bytes'] / 2**20:.0f} MiB (save; upload async)"
-
-        rep.run("train base eager", B["train base eager"], train_row("base", False))
-        rep.run("host syncs", B["host syncs"], needs_trainer(syncs))
-        rep.run("step profile", B["step profile"], needs_trainer(profile))
-        rep.run("checkpoint stall", B["checkpoint stall"], needs_trainer(stall))
-        rep.run("ddp nccl", B["ddp nccl"], needs_trainer(lambda t: ddp_section(pr, t, held["tps"])))
-        held.pop("trainer", None)
-        _free(pr)
+        sec = Sections(pr, args, work, train_dir)
+        rep.run("train base eager", B["train base eager"], sec.train_row("base", False))
+        rep.run("host syncs", B["host syncs"], sec.needs_trainer(sec.syncs))
+        rep.run("step profile", B["step profile"], sec.needs_trainer(sec.profile))
+        rep.run("checkpoint stall", B["checkpoint stall"], sec.needs_trainer(sec.stall))
+        rep.run("ddp nccl", B["ddp nccl"], sec.needs_trainer(sec.ddp))
+        sec.drop_trainer()
         rep.run("fit base", B["fit base"], lambda: fit_section(pr, "base"))
         rep.run("beam-4 decode", B["beam-4 decode"], lambda: decode_section(pr, rng, words))
-        rep.run("train base compiled", B["train base compiled"], train_row("base", True))
-        rep.run("train big eager", B["train big eager"], train_row("big", False))
+        rep.run("train base compiled", B["train base compiled"], sec.train_row("base", True))
+        rep.run("train big eager", B["train big eager"], sec.train_row("big", False))
         rep.run("fit big", B["fit big"], lambda: fit_section(pr, "big"))
-        rep.run("train big compiled", B["train big compiled"], train_row("big", True))
+        rep.run("train big compiled", B["train big compiled"], sec.train_row("big", True))
         if args.multi30k and (Path(args.multi30k) / "bundle.json").is_file():
-            rep.run("multi30k tiny recipe", B["multi30k tiny recipe"], multi30k)
+            rep.run("multi30k tiny recipe", B["multi30k tiny recipe"], sec.multi30k)
         else:
             rep.skip("multi30k tiny recipe", f"no bundle at --multi30k {args.multi30k!r} (make one on a CPU machine: "
                                              "benchmarks/gpu_multi30k.py bundle)")
@@ -323,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rep.skip("ctranslate2 decode", "not implemented in gpu_check (it needs an exported model): run "
                                        "benchmarks/decode_bench.py --engines on a machine with the project's deps")
+
+
+def write_report(rep: Report, env: dict, pr: Profile, args: argparse.Namespace) -> int:
+    """The table on stdout, the JSON to --json; 1 if a section failed, else 0."""
     width = max(len(k) for k, _ in rep.rows)
     print(f"gpu_check: {env['device']}, torch {env['torch']}, Python {env['python']}"
           f"{', smoke (measures nothing)' if pr.smoke else ''}; {time.perf_counter() - rep.t0:.0f} s")
@@ -335,6 +341,33 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"gpu_check: {len(failed)} section(s) failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peak-flops", type=float, default=989e12, help="bf16 dense peak (H200/H100 SXM: 989e12)")
+    ap.add_argument("--mirror", default=os.environ.get("WMT14_MIRROR", str(REPO.parent / "shared/data/statmt-mirror")),
+                    help="the WMT14 mirror for real sentence lengths (absent: a lognormal fit of them)")
+    ap.add_argument("--json", default="gpu_check.json", help="where the JSON goes ('' = nowhere)")
+    ap.add_argument("--budget", type=float, default=TOTAL_BUDGET_S, help="seconds for all sections together")
+    ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks this script, measures nothing")
+    ap.add_argument("--multi30k", default=str(REPO / ".gpu/multi30k"),
+                    help="a bundle of benchmarks/gpu_multi30k.py: the Multi30k tiny recipe end to end (absent: skipped)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("gpu_check needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    pr = Profile(args.smoke)
+    rep = Report(args.budget)
+    rng = np.random.default_rng(0)
+    words = lengths(None if pr.smoke else Path(args.mirror), rng)
+    env = environment(pr)
+    run_sections(rep, pr, args, rng, words)
+    return write_report(rep, env, pr, args)
 
 
 def _free(pr: Profile) -> None:

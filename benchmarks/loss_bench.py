@@ -1,5 +1,5 @@
-"""The output projection + label-smoothed loss: as a GPU step did it before issue 37 (bf16 logits of
-every position, then the loss in one fp32 chunk) vs fused (`model.linear_label_smoothed_nll`, row
+"""The output projection + label-smoothed loss: unfused (bf16 logits of every position, then the
+loss in one fp32 chunk) vs fused (`model.linear_label_smoothed_nll`, row
 chunks of `GPU_CHUNK_ELEMENTS` logits), forward + backward, on this CPU at a GPU micro-batch's size.
 
     .venv/bin/python benchmarks/loss_bench.py [--tokens 4096] [--vocab 37000] [--d-model 512]

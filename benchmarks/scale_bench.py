@@ -1,6 +1,6 @@
 """Training at the sizes it exists for: per-step host cost, start-up and memory at 4.5M / 36M pairs.
 
-What it does (issue 9):
+What it does:
 1. Writes synthetic encoded shards (the `encode` stage's schema: idx, src_ids, tgt_ids, src_len,
    tgt_len; zstd Parquet, 1M pairs a shard) once per size into --work. Lengths are drawn from the
    joint (EN, DE) length distribution of the real WMT14 EN-DE training text in the offline mirror
@@ -14,7 +14,7 @@ What it does (issue 9):
    (d_model 16, 1+1 layers) at the paper's 25k target tokens per step, so the model costs almost
    nothing and the host work shows: host ms per step = loop time - forward/backward - optimizer -
    epoch planning - checkpoints, over --steps steps. The timing wraps the loop module's functions,
-   so the same script measures an older tree (PYTHONPATH=<old tree>) for the before/after table.
+   so the same script measures another tree (SCALE_BENCH_TREE=<another checkout>) for a before/after table.
 3. Start-up (corpus load + first epoch plan) and PSS (/proc/<pid>/smaps_rollup) per worker: one
    worker per size, and --share-workers DDP workers (gloo) on one node at the first size, with
    the corpus's share of PSS summed over the workers vs one copy's bytes (PSS right after the
@@ -113,21 +113,8 @@ def write_corpus(out: Path, num_pairs: int, words: np.ndarray, seed: int = 0) ->
 # ------------------------------------------------------------------------------ one worker (child)
 
 
-def child(args: argparse.Namespace) -> None:
-    """One worker of the real loop; prints its figures as JSON on the last line."""
-    import torch
-
-    from model import ModelConfig
-    from pipeline.config import Config
-    from pipeline.train import batching
-    from pipeline.train import loop
-
-    torch.set_num_threads(1)
-    rank, world = args.rank, args.world
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=world)
+def _time_loop_parts(loop, batching) -> dict[str, float]:
+    """Wraps the loop's model work, epoch planning and checkpoints in timers; their seconds so far."""
     timers = {"model": 0.0, "plan": 0.0, "checkpoint": 0.0}
 
     def timed(name, fn):
@@ -143,6 +130,11 @@ def child(args: argparse.Namespace) -> None:
     loop.optimizer_step = timed("model", loop.optimizer_step)
     batching.plan_epoch = timed("plan", batching.plan_epoch)
     loop.Trainer._checkpoint = timed("checkpoint", loop.Trainer._checkpoint)
+    return timers
+
+
+def _measure_corpus_load(loop) -> dict[str, float]:
+    """Wraps the loop's corpus loader; the PSS (MB) the training split's load added, as "train"."""
     corpus_pss: dict[str, float] = {}
     loader_name = "load_shared_corpus" if hasattr(loop, "load_shared_corpus") else "load_corpus"
     loader = getattr(loop, loader_name)
@@ -156,6 +148,13 @@ def child(args: argparse.Namespace) -> None:
         return corpus
 
     setattr(loop, loader_name, measured_loader)
+    return corpus_pss
+
+
+def _tiny_model_spec(args: argparse.Namespace, loop):
+    """The loop's spec: a tiny model (d_model 16, 1+1 layers) at the paper's 25k target tokens per step."""
+    from model import ModelConfig
+    from pipeline.config import Config
 
     cfg = Config()
     t = cfg.train
@@ -165,7 +164,25 @@ def child(args: argparse.Namespace) -> None:
         t.corpus_cache_dir = args.cache
     mc = ModelConfig(vocab_size=BENCH_VOCAB, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
                      max_positions=512)
-    spec = loop.LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=args.train_dir)
+    return loop.LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=args.train_dir)
+
+
+def child(args: argparse.Namespace) -> None:
+    """One worker of the real loop; prints its figures as JSON on the last line."""
+    import torch
+
+    from pipeline.train import batching
+    from pipeline.train import loop
+
+    torch.set_num_threads(1)
+    rank, world = args.rank, args.world
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=world)
+    timers = _time_loop_parts(loop, batching)
+    corpus_pss = _measure_corpus_load(loop)
+    spec = _tiny_model_spec(args, loop)
     t0 = time.perf_counter()
     trainer = loop.Trainer(spec, loop.LocalSession(args.ckpt))
     init_s = time.perf_counter() - t0
@@ -182,6 +199,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def spawn(args, train_dir: Path, world: int, work: Path) -> list[dict]:
+    """``world`` child workers on the corpus in ``train_dir``; their JSON figures, by rank."""
     store = work / f"store-{time.time_ns()}"
     procs = []
     for rank in range(world):
@@ -203,6 +221,7 @@ def spawn(args, train_dir: Path, world: int, work: Path) -> list[dict]:
 
 
 def checkpoint_figures(work: Path) -> dict:
+    """At base size (vocab 37000): checkpoint, parameter and Adam-state bytes, the loop's stall per save."""
     import torch
 
     from model import ModelConfig, Transformer, make_optimizer
@@ -229,7 +248,7 @@ def checkpoint_figures(work: Path) -> dict:
         t0 = time.perf_counter()
         train_checkpoint.save(folder, model=model, optimizer=opt, scheduler=sched, scaler=None,
                               progress=train_checkpoint.Progress(), model_config=mc.to_dict())
-        if not upload_async:  # the old loop waited for Ray Train's synchronous copy
+        if not upload_async:  # a loop without checkpoint_upload waits for Ray Train's synchronous copy
             shutil.copytree(folder, dest)
         stalls.append(time.perf_counter() - t0)
         sizes.append(sum(f.stat().st_size for f in folder.iterdir()))
@@ -242,7 +261,7 @@ def checkpoint_figures(work: Path) -> dict:
 # ------------------------------------------------------------------------------ main
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", default="4500000,36000000")
     ap.add_argument("--steps", type=int, default=100)
@@ -257,7 +276,48 @@ def main() -> None:
     ap.add_argument("--child", action="store_true")
     for name in ("--rank", "--world", "--store", "--train-dir", "--cache", "--ckpt"):
         ap.add_argument(name, type=int if name in ("--rank", "--world") else str)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def one_worker(args: argparse.Namespace, d: Path, work: Path, key: str, res: dict) -> None:
+    """A cold start (no node copy yet) and the best warm one of the corpus in ``d``, into ``res``."""
+    shutil.rmtree(work / "node-cache", ignore_errors=True)  # a cold node: no copy yet
+    cold = spawn(args, d, 1, work)[0]  # the first worker on the node (writes the node copy, if any)
+    # A later or replaced worker (maps the copy): the best of --repeats runs (a shared VM is noisy).
+    warm = cold if args.single_run else min((spawn(args, d, 1, work)[0] for _ in range(args.repeats)),
+                                            key=lambda r: r["host_ms_per_step"])
+    res["host_ms_per_step"][key] = warm["host_ms_per_step"]
+    res["startup_s"][key], res["startup_warm_s"][key] = cold["startup_s"], warm["startup_s"]
+    res["pss_mb_per_worker"][key] = warm["pss_mb"]
+    print(f"  1 worker: host {warm['host_ms_per_step']:.2f} ms/step (model {warm['model_ms_per_step']:.1f}), "
+          f"start-up {cold['startup_s']:.1f} s first / {warm['startup_s']:.1f} s next, PSS {warm['pss_mb']:.0f} MB",
+          flush=True)
+
+
+def shared_workers(args: argparse.Namespace, d: Path, work: Path, key: str, res: dict) -> None:
+    """--share-workers DDP workers on one node: their PSS, and the corpus's share vs one copy, into ``res``."""
+    shared = spawn(args, d, args.share_workers, work)
+    res["pss_mb_all_workers"][key] = sum(r["pss_mb"] for r in shared)
+    res["pss_corpus_mb_all_workers"][key] = sum(r["pss_corpus_mb"] for r in shared)
+    copy_mb = _corpus_bytes(d) / 2**20
+    res["corpus_bytes"][key] = _corpus_bytes(d)
+    print(f"  {args.share_workers} DDP workers: PSS {res['pss_mb_all_workers'][key]:.0f} MB in all, of it the "
+          f"corpus {res['pss_corpus_mb_all_workers'][key]:.0f} MB = "
+          f"{res['pss_corpus_mb_all_workers'][key] / copy_mb:.2f}x one copy ({copy_mb:.0f} MB)", flush=True)
+
+
+def checkpoint_report(work: Path, res: dict) -> None:
+    """checkpoint_figures into ``res``, printed against the parameter + Adam bytes."""
+    ck = checkpoint_figures(work)
+    res.update(ck)
+    total = ck["param_bytes"] + ck["adam_state_bytes"]
+    print(f"checkpoint at base size: {ck['checkpoint_bytes'] / 2**20:.0f} MiB = {ck['checkpoint_bytes'] / total:.3f}x "
+          f"(params {ck['param_bytes'] / 2**20:.0f} + Adam {ck['adam_state_bytes'] / 2**20:.0f} MiB); "
+          f"loop stall {ck['checkpoint_stall_s']:.2f} s ({ck['upload']} upload)")
+
+
+def main() -> None:
+    args = parse_args()
     if args.child:
         return child(args)
     work = Path(args.work)
@@ -274,27 +334,9 @@ def main() -> None:
               f"({sum(f.stat().st_size for f in d.glob('*.parquet')) / 2**30:.2f} GiB)", flush=True)
         if args.prepare_only:
             continue
-        shutil.rmtree(work / "node-cache", ignore_errors=True)  # a cold node: no copy yet
-        cold = spawn(args, d, 1, work)[0]  # the first worker on the node (writes the node copy, if any)
-        # A later or replaced worker (maps the copy): the best of --repeats runs (a shared VM is noisy).
-        warm = cold if args.single_run else min((spawn(args, d, 1, work)[0] for _ in range(args.repeats)),
-                                                key=lambda r: r["host_ms_per_step"])
-        key = str(n)
-        res["host_ms_per_step"][key] = warm["host_ms_per_step"]
-        res["startup_s"][key], res["startup_warm_s"][key] = cold["startup_s"], warm["startup_s"]
-        res["pss_mb_per_worker"][key] = warm["pss_mb"]
-        print(f"  1 worker: host {warm['host_ms_per_step']:.2f} ms/step (model {warm['model_ms_per_step']:.1f}), "
-              f"start-up {cold['startup_s']:.1f} s first / {warm['startup_s']:.1f} s next, PSS {warm['pss_mb']:.0f} MB",
-              flush=True)
+        one_worker(args, d, work, str(n), res)
         if n == sizes[0] and args.share_workers > 1:
-            shared = spawn(args, d, args.share_workers, work)
-            res["pss_mb_all_workers"][key] = sum(r["pss_mb"] for r in shared)
-            res["pss_corpus_mb_all_workers"][key] = sum(r["pss_corpus_mb"] for r in shared)
-            copy_mb = _corpus_bytes(d) / 2**20
-            res["corpus_bytes"][key] = _corpus_bytes(d)
-            print(f"  {args.share_workers} DDP workers: PSS {res['pss_mb_all_workers'][key]:.0f} MB in all, of it the "
-                  f"corpus {res['pss_corpus_mb_all_workers'][key]:.0f} MB = "
-                  f"{res['pss_corpus_mb_all_workers'][key] / copy_mb:.2f}x one copy ({copy_mb:.0f} MB)", flush=True)
+            shared_workers(args, d, work, str(n), res)
     if args.prepare_only:
         return
     print(f"tree: {TREE}")
@@ -302,12 +344,7 @@ def main() -> None:
         a, b = (res["host_ms_per_step"][str(s)] for s in (sizes[0], sizes[-1]))
         print(f"host ms/step {sizes[-1]:,} / {sizes[0]:,}: {b / a:.2f}x")
     if not args.no_checkpoint:
-        ck = checkpoint_figures(work)
-        res.update(ck)
-        total = ck["param_bytes"] + ck["adam_state_bytes"]
-        print(f"checkpoint at base size: {ck['checkpoint_bytes'] / 2**20:.0f} MiB = {ck['checkpoint_bytes'] / total:.3f}x "
-              f"(params {ck['param_bytes'] / 2**20:.0f} + Adam {ck['adam_state_bytes'] / 2**20:.0f} MiB); "
-              f"loop stall {ck['checkpoint_stall_s']:.2f} s ({ck['upload']} upload)")
+        checkpoint_report(work, res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
 

@@ -42,6 +42,7 @@ log = logging.getLogger("serve_bench")
 
 
 def app_args(args: argparse.Namespace, root: Path) -> dict:
+    """build_app's arguments: the model of --config, else a tiny model trained and exported in ``root``."""
     common = {"backend": args.backend, "max_batch_size": args.max_batch_size, "num_replicas": args.replicas,
               "beam_size": args.beam, "max_sentences_per_request": MAX_SENTENCES}
     if args.config:
@@ -92,6 +93,7 @@ def client(url: str, good: list[bytes], bad_every: int, deadline: float, timeout
 
 
 def run_load(url: str, sentences: list[str], args: argparse.Namespace) -> dict:
+    """``args.clients`` client threads for ``args.duration_s``; the counts and latencies of their answers."""
     k = args.sentences_per_request
     results: list[list] = [[] for _ in range(args.clients)]
     deadline = time.monotonic() + args.duration_s
@@ -128,7 +130,7 @@ def run_load(url: str, sentences: list[str], args: argparse.Namespace) -> dict:
             "attention_ok": len(att), "attention_p50_s": qa[49], "attention_p99_s": qa[98]}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=os.environ.get("WMT14_DATA") or str(REPO.parent / "shared" / "data" / "wmt14"))
     p.add_argument("--config", default="", help="serve this pipeline config's model (else a tiny one)")
@@ -144,14 +146,51 @@ def main() -> None:
     p.add_argument("--ray-cpus", type=int, default=2)
     p.add_argument("--attention-fraction", type=float, default=0.0,
                    help="> 0: two rounds, without and then with this share of \"attention\": true requests; the "
-                        "plain requests' p99 of the second over the first (issue 38: <= 1.5x at 0.2, 16 clients)")
+                        "plain requests' p99 of the second over the first (the target: <= 1.5x at 0.2, 16 clients)")
     p.add_argument("--out", default="")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def measure(url: str, sentences: list[str], args: argparse.Namespace) -> dict:
+    """A 2 s warm-up by one client, then the load without attention requests, then (with
+    --attention-fraction) the same load with them and the plain requests' latency ratios."""
+    from pipeline.serve.app import ServeSettings
+
+    run_load(url, sentences[:8], argparse.Namespace(**{**vars(args), "clients": 1, "duration_s": 2.0,
+                                                       "bad_fraction": 0.0}))
+    limits = ServeSettings()
+    res = {"backend": args.backend, "replicas": args.replicas, "max_batch_size": args.max_batch_size,
+           "max_ongoing_requests": limits.max_ongoing_requests,
+           "max_queued_requests": limits.max_queued_requests,
+           "beam_size": args.beam,
+           **run_load(url, sentences, argparse.Namespace(**{**vars(args), "attention_fraction": 0.0}))}
+    if args.attention_fraction > 0:  # the same load again, a share of it asking for attention
+        res["with_attention"] = run_load(url, sentences, args)
+        res["plain_p99_ratio"] = res["with_attention"]["latency_p99_s"] / res["latency_p99_s"]
+        res["plain_p50_ratio"] = res["with_attention"]["latency_p50_s"] / res["latency_p50_s"]
+    return res
+
+
+def log_summary(res: dict) -> None:
+    log.info("%d clients (%.0f%% bad requests), %.0f s: %.1f sentences/s, p50 %.3f s, p99 %.3f s; statuses %s; "
+             "%d bad -> %d 4xx; %d unanswered", res["clients"], 100 * res["bad_fraction"], res["duration_s"],
+             res["sentences_per_s"], res["latency_p50_s"], res["latency_p99_s"], res["statuses"],
+             res["bad_requests_sent"], res["bad_requests_4xx"], res["requests_unanswered"])
+    if "with_attention" in res:
+        w = res["with_attention"]
+        log.info("with %.0f%% attention requests: plain p50 %.3f s (%.2fx), p99 %.3f s (%.2fx); attention p50 %.3f s, "
+                 "p99 %.3f s; %d unanswered, %d 500s", 100 * w["attention_fraction"], w["latency_p50_s"],
+                 res["plain_p50_ratio"], w["latency_p99_s"], res["plain_p99_ratio"], w["attention_p50_s"],
+                 w["attention_p99_s"], w["requests_unanswered"], w["requests_500"])
+
+
+def main() -> None:
+    args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     import ray
     from ray import serve
 
-    from pipeline.serve.app import ServeSettings, build_app
+    from pipeline.serve.app import build_app
     from tests.support.procs import free_port
 
     sentences = (Path(args.data) / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:400]
@@ -163,32 +202,11 @@ def main() -> None:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             serve.run(app, name="translation", route_prefix="/")
-            url = f"http://127.0.0.1:{port}/translate"
-            run_load(url, sentences[:8], argparse.Namespace(**{**vars(args), "clients": 1, "duration_s": 2.0,
-                                                               "bad_fraction": 0.0}))
-            limits = ServeSettings()
-            res = {"backend": args.backend, "replicas": args.replicas, "max_batch_size": args.max_batch_size,
-                   "max_ongoing_requests": limits.max_ongoing_requests,
-                   "max_queued_requests": limits.max_queued_requests,
-                   "beam_size": args.beam,
-                   **run_load(url, sentences, argparse.Namespace(**{**vars(args), "attention_fraction": 0.0}))}
-            if args.attention_fraction > 0:  # the same load again, a share of it asking for attention
-                res["with_attention"] = run_load(url, sentences, args)
-                res["plain_p99_ratio"] = res["with_attention"]["latency_p99_s"] / res["latency_p99_s"]
-                res["plain_p50_ratio"] = res["with_attention"]["latency_p50_s"] / res["latency_p50_s"]
+            res = measure(f"http://127.0.0.1:{port}/translate", sentences, args)
         finally:
             serve.shutdown()
             ray.shutdown()
-    log.info("%d clients (%.0f%% bad requests), %.0f s: %.1f sentences/s, p50 %.3f s, p99 %.3f s; statuses %s; "
-             "%d bad -> %d 4xx; %d unanswered", res["clients"], 100 * res["bad_fraction"], res["duration_s"],
-             res["sentences_per_s"], res["latency_p50_s"], res["latency_p99_s"], res["statuses"],
-             res["bad_requests_sent"], res["bad_requests_4xx"], res["requests_unanswered"])
-    if "with_attention" in res:
-        w = res["with_attention"]
-        log.info("with %.0f%% attention requests: plain p50 %.3f s (%.2fx), p99 %.3f s (%.2fx); attention p50 %.3f s, "
-                 "p99 %.3f s; %d unanswered, %d 500s", 100 * w["attention_fraction"], w["latency_p50_s"],
-                 res["plain_p50_ratio"], w["latency_p99_s"], res["plain_p99_ratio"], w["attention_p50_s"],
-                 w["attention_p99_s"], w["requests_unanswered"], w["requests_500"])
+    log_summary(res)
     print(json.dumps(res, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")

@@ -10,6 +10,7 @@ Ids are pieces only: the model adds bos/eos (docs/stages.md).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -94,52 +95,65 @@ def encoded_batches(ctx: StageContext, split_dirs: dict[str, str], model_uri: st
     yield from ds.iter_batches(batch_format="pyarrow", batch_size=None)
 
 
-def run(ctx: StageContext) -> StageResult:
+@contextlib.contextmanager
+def _ordered_small_blocks() -> Iterator[None]:
+    """Ray Data set up for encoding while inside; the driver's settings restored on the way out."""
     import ray
 
-    from pipeline.ray_env import ensure_ray
+    data_ctx = ray.data.DataContext.get_current()
+    saved = (data_ctx.execution_options.preserve_order, data_ctx.target_max_block_size,
+             data_ctx.use_datasource_v2)
+    data_ctx.execution_options.preserve_order = True  # the row sequence fixes the shards' bytes
+    # Small blocks keep read, encode and the driver's writes pipelined and memory flat (with the
+    # default 128 MiB a whole shard is one block: slower, and a higher peak memory).
+    data_ctx.target_max_block_size = BLOCK_BYTES
+    # Ray 2.60's default Parquet reader (DataSourceV2) lists files through a pool of 32
+    # FooterReader actors (RAY_DATA_PARQUET_FOOTER_NUM_ACTORS) for every read: 32 processes, each
+    # importing ray.data, for a few dozen shards whose footers we wrote ourselves; on a 2-core
+    # machine that is most of the stage. The V1 reader reads the same files with no actors
+    # (docs/benchmarks.md, "Process start-up").
+    data_ctx.use_datasource_v2 = False
+    try:
+        yield
+    finally:
+        (data_ctx.execution_options.preserve_order, data_ctx.target_max_block_size,
+         data_ctx.use_datasource_v2) = saved
 
-    ensure_ray(ctx.cfg)
-    prepared = ctx.inputs["prepare"].outputs["splits"]
-    vocab = ctx.inputs["vocab"].outputs
-    out_dir = storage.absolute(ctx.out_dir)
+
+def _shard_writers(prepared: dict, out_dir: str) -> dict[str, ShardWriter]:
+    """One writer per split, with ``prepare``'s number of shards; dev and test keep their text."""
     writers = {}
     for split in SPLITS:
         info = prepared[split]
         num_shards = info.get("num_shards") or len(shard_uris(info["dir"]))
         schema = TEXT_SCHEMA if split in ("dev", "test") else SCHEMA
         writers[split] = ShardWriter(storage.join(out_dir, split), num_shards, schema)
+    return writers
+
+
+def _write_all(batches: Iterator[pa.Table], writers: dict[str, ShardWriter]) -> dict[str, list[int]]:
+    """Routes each encoded batch's rows to their split's writer; returns [src, tgt] tokens per split.
+
+    Logs progress every 10 s."""
     tokens = {s: [0, 0] for s in SPLITS}
-    data_ctx = ray.data.DataContext.get_current()
-    saved = (data_ctx.execution_options.preserve_order, data_ctx.target_max_block_size,
-             data_ctx.use_datasource_v2)
-    data_ctx.execution_options.preserve_order = True  # the row sequence fixes the shards' bytes
-    # Small blocks keep read, encode and the driver's writes pipelined and memory flat (with the
-    # default 128 MiB a whole shard is one block: 1.6x slower and 1.3x the peak memory here).
-    data_ctx.target_max_block_size = BLOCK_BYTES
-    # Ray 2.60's default Parquet reader (DataSourceV2) lists files through a pool of 32
-    # FooterReader actors (RAY_DATA_PARQUET_FOOTER_NUM_ACTORS) for every read: 32 processes, each
-    # importing ray.data (~3 s of CPU), for a few dozen shards whose footers we wrote ourselves.
-    # On a 2-core machine that was most of the stage (64 s of a test's 6,000 pairs). The V1
-    # reader reads the same files with no actors (docs/benchmarks.md, "Process start-up").
-    data_ctx.use_datasource_v2 = False
     t0 = last = time.monotonic()
-    try:
-        for batch in encoded_batches(ctx, {prepared[s]["dir"]: s for s in SPLITS}, vocab["model"]):
-            split_col = batch.column("split")
-            names = pc.unique(split_col).to_pylist()
-            for split in names:
-                part = batch.filter(pc.equal(split_col, split)) if len(names) > 1 else batch
-                writers[split].write(part)
-                tokens[split][0] += int(pc.sum(part.column("src_len")).as_py() or 0)
-                tokens[split][1] += int(pc.sum(part.column("tgt_len")).as_py() or 0)
-            if time.monotonic() - last > 10:
-                last = time.monotonic()
-                done = sum(w.num_rows for w in writers.values())
-                log.info("encode: %d rows, %.0f rows/s", done, done / (last - t0))
-    finally:
-        (data_ctx.execution_options.preserve_order, data_ctx.target_max_block_size,
-         data_ctx.use_datasource_v2) = saved
+    for batch in batches:
+        split_col = batch.column("split")
+        names = pc.unique(split_col).to_pylist()
+        for split in names:
+            part = batch.filter(pc.equal(split_col, split)) if len(names) > 1 else batch
+            writers[split].write(part)
+            tokens[split][0] += int(pc.sum(part.column("src_len")).as_py() or 0)
+            tokens[split][1] += int(pc.sum(part.column("tgt_len")).as_py() or 0)
+        if time.monotonic() - last > 10:
+            last = time.monotonic()
+            done = sum(w.num_rows for w in writers.values())
+            log.info("encode: %d rows, %.0f rows/s", done, done / (last - t0))
+    return tokens
+
+
+def _close_writers(writers: dict[str, ShardWriter], prepared: dict, tokens: dict[str, list[int]]) -> dict:
+    """Closes the writers, checks each split kept ``prepare``'s row count; the ``splits`` output."""
     splits = {}
     for split, writer in writers.items():
         writer.close()
@@ -149,6 +163,21 @@ def run(ctx: StageContext) -> StageResult:
         splits[split] = {"dir": writer.dir_uri, "num_rows": writer.num_rows, "num_src_tokens": tokens[split][0],
                          "num_tgt_tokens": tokens[split][1], "num_shards": writer.num_shards}
         log.info("encode %s: %d rows, %d src / %d tgt tokens", split, writer.num_rows, *tokens[split])
+    return splits
+
+
+def run(ctx: StageContext) -> StageResult:
+    from pipeline.ray_env import ensure_ray
+
+    ensure_ray(ctx.cfg)
+    prepared = ctx.inputs["prepare"].outputs["splits"]
+    vocab = ctx.inputs["vocab"].outputs
+    writers = _shard_writers(prepared, storage.absolute(ctx.out_dir))
+    t0 = time.monotonic()
+    with _ordered_small_blocks():
+        batches = encoded_batches(ctx, {prepared[s]["dir"]: s for s in SPLITS}, vocab["model"])
+        tokens = _write_all(batches, writers)
+    splits = _close_writers(writers, prepared, tokens)
     log.info("encode: done in %.1fs", time.monotonic() - t0)
     outputs = {"splits": splits, "vocab_size": vocab["vocab_size"], "pad_id": vocab["pad_id"],
                "unk_id": vocab.get("unk_id", 1), "bos_id": vocab["bos_id"], "eos_id": vocab["eos_id"]}

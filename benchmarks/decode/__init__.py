@@ -1,0 +1,1 @@
+"""Parts of benchmarks/decode_bench.py that run in its own process only: ``engines`` (--engines)."""
