@@ -250,7 +250,7 @@ def compare_engines(args: argparse.Namespace) -> dict:
     this process, one thread each: sentences/s and sacreBLEU against the newstest2014 references."""
     import sacrebleu
 
-    from model.transformer import DecoderState
+    from model import DecoderState
 
     data = Path(args.data)
     src_file, ref_file = Path(args.src_file or data / "newstest2014.en"), Path(args.ref_file or data / "newstest2014.de")
@@ -264,7 +264,7 @@ def compare_engines(args: argparse.Namespace) -> dict:
         results["model"] = assets["model_config"]
         first = None
         for name, backend, folder in ENGINES:
-            carry = backend == "torch-carry"  # the search before finished sentences left the batch
+            carry = backend == "torch-carry"  # the search that carries finished sentences to the end
             tr = translator.Translator(assets["model"], assets["model_config"], assets["spm"], settings,
                                       num_threads=args.threads, backend="torch" if carry else backend,
                                       ct2_model=assets.get(folder, ""))

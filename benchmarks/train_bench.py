@@ -100,10 +100,12 @@ def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device
     return steps
 
 
-def run_bare(steps, cfg: Config, mc: ModelConfig, device: torch.device, precision: str = "") -> dict:
-    """The bare step; `precision` "" = the loop's train.precision resolved for `device`."""
+def run_bare(steps, cfg: Config, mc: ModelConfig, device: torch.device, precision: str = "",
+             cpu_kernels: bool = True) -> dict:
+    """The bare step; `precision` "" = the loop's train.precision resolved for `device`;
+    `cpu_kernels`: the model's (`Transformer`'s)."""
     torch.manual_seed(cfg.train.seed)
-    model = Transformer(mc).to(device)
+    model = Transformer(mc, cpu_kernels=cpu_kernels).to(device)
     opt = make_optimizer(model)
     sched = make_scheduler(opt, mc.d_model, cfg.train.warmup_steps)
     precision = precision or resolve_precision(cfg.train.precision, device)

@@ -7,7 +7,7 @@ layer's attention does (one causal, two key-padding-masked calls, forward and ba
 training-sized shape of this model, and keeps the fastest for the run; a named backend is put
 first as it is. The others stay behind it, so a call the chosen kernel cannot run (flash takes no
 mask) falls back instead of failing. On a CPU "auto" leaves PyTorch's choice (its flash kernel; the model
-already runs bf16 attention in fp32 there, `model.transformer._sdpa`). Torch only.
+already runs bf16 attention in fp32 there, `model.kernels.sdpa`). Torch only.
 """
 
 from __future__ import annotations

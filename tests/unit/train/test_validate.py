@@ -67,7 +67,7 @@ def direct(model: Transformer, mc: ModelConfig, pairs) -> dict[str, float]:
     for src, tgt in pairs:
         if len(src) + 1 > mc.max_positions or len(tgt) + 1 > mc.max_positions:
             continue
-        logits = model(torch.tensor([src + [mc.eos_id]]), torch.tensor([[mc.bos_id] + tgt]))[0]
+        logits = model.logits(model(torch.tensor([src + [mc.eos_id]]), torch.tensor([[mc.bos_id] + tgt])))[0]
         gold = torch.tensor(tgt + [mc.eos_id])
         loss += F.cross_entropy(logits.double(), gold, label_smoothing=EPS, reduction="sum").item()
         nll += F.cross_entropy(logits.double(), gold, reduction="sum").item()
