@@ -1,6 +1,6 @@
 """Training at the sizes it exists for: per-step host cost, start-up and memory at 4.5M / 36M pairs.
 
-What it does (issue 9):
+What it does:
 1. Writes synthetic encoded shards (the `encode` stage's schema: idx, src_ids, tgt_ids, src_len,
    tgt_len; zstd Parquet, 1M pairs a shard) once per size into --work. Lengths are drawn from the
    joint (EN, DE) length distribution of the real WMT14 EN-DE training text in the offline mirror

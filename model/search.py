@@ -19,11 +19,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # A decoding step's keys grow by one position every step, and its rows shrink as sentences finish,
-# so nearly every attention call of a search has a new shape. cuDNN's SDPA, PyTorch's
-# first choice on Hopper, builds a plan per new shape (docs/benchmarks.md): a search would pay it
-# at every step. Flash and
-# memory-efficient attention pick their kernel by rule and cost nothing per shape; flash takes no
-# mask (the cross-attention's is a padding mask), so memory-efficient and math stay behind it.
+# so nearly every attention call of a search has a new shape. cuDNN's SDPA, PyTorch's first choice
+# on Hopper, builds a plan per new shape (docs/benchmarks.md): a search would pay it at every step.
+# Flash and memory-efficient attention pick their kernel by rule and cost nothing per shape; flash
+# takes no mask (the cross-attention's is a padding mask), so memory-efficient and math stay behind.
 DECODING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

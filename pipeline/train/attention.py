@@ -1,7 +1,7 @@
 """`train.attention_backend`: which scaled-dot-product-attention kernel a GPU worker trains with.
 
-PyTorch picks an SDPA backend by rule, not by speed; on Hopper with torch 2.11 it picked cuDNN's,
-which builds a plan per shape (issue 37's profile: ~0.75 s per new batch shape for base). "auto"
+PyTorch picks an SDPA backend by rule, not by speed; on Hopper with torch 2.11 it picks cuDNN's,
+which builds a plan per shape (docs/benchmarks.md has the profile). "auto"
 times each candidate (flash, memory-efficient, cuDNN) first in PyTorch's priority list, on what a
 layer's attention does (one causal, two key-padding-masked calls, forward and backward) at a
 training-sized shape of this model, and keeps the fastest for the run; a named backend is put

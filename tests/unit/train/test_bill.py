@@ -194,7 +194,7 @@ def test_the_op_count_is_what_a_step_of_the_real_widths_dispatches(mc):
         assert ops.count == flops.count_step_ops(mc, 0.1), (B, S, T)
 
 
-def test_the_host_cost_per_op_is_issue_37s_measurement_over_the_counted_ops():
+def test_the_host_cost_per_op_is_the_measured_step_over_the_counted_ops():
     """61.6 ms of host time per eager step of the Multi30k tiny recipe (two micro-batches) on an H200
     machine; if the model's op count changes, the constant must be measured again."""
     cfg = load_config(["configs/multi30k-tiny.toml"], [])
@@ -206,7 +206,7 @@ def test_the_host_cost_per_op_is_issue_37s_measurement_over_the_counted_ops():
 
 
 def test_an_eager_bill_is_bounded_by_the_host_and_prints_how():
-    """The Multi30k tiny recipe, eager: 8.6 s of math at the assumed MFU, ~9 min measured (issue 37);
+    """The Multi30k tiny recipe, eager: 8.6 s of math at the assumed MFU, ~9 min measured (docs/benchmarks.md);
     the bill's hours are its host floor, computed from the printed figures."""
     cfg = load_config(["configs/multi30k-tiny.toml"], ["--train.compile=false"])
     mc = ModelConfig(vocab_size=8000, d_model=128, d_ff=256, n_heads=4, n_encoder_layers=4, n_decoder_layers=4,

@@ -99,7 +99,7 @@ def test_inductor_losses_equal_eager(shards, tmp_path, precision, tol):
 
 @pytest.mark.slow
 def test_gpu_recipe_compiled_equals_eager_with_graphs_bounded(shards, tmp_path):
-    """What a GPU run does by default (issue 37): compiled, shape buckets, fused projection + loss,
+    """What a GPU run does by default: compiled, shape buckets, fused projection + loss,
     bucketed validations. Losses equal eager's; the graphs are the first step's and the first
     validation's, however many bucket shapes follow (inductor: the generated code is what runs)."""
     torch._dynamo.reset()

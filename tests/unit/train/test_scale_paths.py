@@ -1,4 +1,4 @@
-"""Issue 9's hot-path properties: host-computed indices, no device sync on a plain step,
+"""The training hot path's properties at scale: host-computed indices, no device sync on a plain step,
 prefetch changes nothing, one shared corpus copy, lean checkpoints."""
 
 from __future__ import annotations

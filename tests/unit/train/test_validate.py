@@ -95,7 +95,7 @@ def test_one_worker_equals_the_direct_computation(model_and_config, max_tokens):
 @pytest.mark.parametrize("gpu", [{"buckets": ShapeBuckets()}, {"fused": True}, {"buckets": ShapeBuckets(), "fused": True}],
                          ids=["buckets", "fused", "both"])
 def test_gpu_batches_and_loss_change_no_figure(model_and_config, monkeypatch, gpu):
-    """What a GPU worker validates with (issue 37): dev batches padded to the training steps' shape
+    """What a GPU worker validates with: dev batches padded to the training steps' shape
     buckets, and the fused projection + loss; still the direct computation's figures."""
     model, mc = model_and_config
     pairs = dev_pairs(seed=2)
