@@ -43,7 +43,10 @@ class Dropout(nn.Dropout):
     """`nn.Dropout` (§5.4); with `cpu_kernel`, `_CpuDropout`'s cheaper mask for CPU tensors in
     eager training. On a GPU, and under torch.compile (dynamo re-specializes on its draws: 30
     graphs where 2 do), PyTorch's own. `cpu_kernel=False`: PyTorch's everywhere, e.g. for an eager
-    model compared with a compiled one."""
+    model compared with a compiled one.
+
+    Deviation: with the CPU kernel, p is rounded to a multiple of 2^-15 (0.1 -> 0.100006) because
+    one 64-bit draw then gives four masks' worth of uniforms (a quarter of the random draws)."""
 
     def __init__(self, p: float = 0.5, cpu_kernel: bool = True):
         super().__init__(p)

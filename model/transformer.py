@@ -143,7 +143,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(d_ff, d_model)
 
     def reset_parameters(self) -> None:
-        _init_linear(self.w1), _init_linear(self.w2)
+        _init_linear(self.w1)
+        _init_linear(self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.relu(self.w1(x), inplace=True))
@@ -193,11 +194,9 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Transformer (§3): src (B, S) + decoder input (B, T) -> the decoder's output (B, T, d), whose
-    `logits` (B, T, V) predict the next token.
-
-    `cpu_kernels`: CPU tensors in eager training use `kernels.Dropout`'s cheaper masks (False:
-    PyTorch's dropout everywhere, e.g. for an eager model compared with a compiled one)."""
+    """Transformer (§3): src (B, S) + decoder input (B, T) -> decoder output (B, T, d), whose
+    `logits` (B, T, V) predict the next token. `cpu_kernels`: `kernels.Dropout`'s cheaper masks on
+    CPU tensors in eager training (False: PyTorch's, e.g. for an eager model compared with a compiled one)."""
 
     def __init__(self, cfg: ModelConfig, cpu_kernels: bool = True):
         super().__init__()
