@@ -1,19 +1,19 @@
-"""The loss and dropout of a CPU training step: ours vs PyTorch's, and the whole step before/after.
+"""The loss and dropout of a CPU training step: ours vs PyTorch's, and the whole step with each.
 
     .venv/bin/python benchmarks/cpu_step_bench.py [--threads 2] [--repeats 5] [--steps 12]
         [--train-dir work/multi30k/encode/<key>/train]
 
 A. loss, forward + backward, on (M, K) logits of both dtypes: PyTorch's
-   `F.cross_entropy(label_smoothing=0.1)` (what one would write), ours in one piece (what the loss
-   did before: the whole logits copied to fp32, several passes over them), ours in row chunks of
-   `model.loss.CPU_CHUNK_ELEMENTS` (the default on a CPU). The gradients' largest error of ours and
+   `F.cross_entropy(label_smoothing=0.1)` (what one would write), ours in one piece
+   (`cpu_chunk_elements` past M * K: the whole logits copied to fp32, several passes over them), ours
+   in row chunks of `model.loss.CPU_CHUNK_ELEMENTS` (the default on a CPU). The gradients' largest error of ours and
    of PyTorch's fp32 loss against PyTorch's loss in fp64 (bf16 logits: the gradient's bf16 rounding).
 B. dropout, forward + backward, on the residual stream's (M, d): `F.dropout` vs
-   `model.transformer.Dropout` (four 15-bit uniforms per 64-bit draw).
+   `model.kernels.Dropout` (four 15-bit uniforms per 64-bit draw).
 C. the bare training step (forward, loss, backward, Adam) of the two Multi30k models
    (configs/multi30k-fast.toml's d_model 256 / 3+3 at ~2700 target tokens, configs/multi30k-tiny.toml's
-   d_model 128 / 4+4 at ~6800) under `train.precision = auto`: "before" (one-piece loss, PyTorch's
-   dropout) vs "after" (the defaults), alternating, best of --repeats. On real Multi30k batches with
+   d_model 128 / 4+4 at ~6800) under `train.precision = auto`: "plain" (one-piece loss, PyTorch's
+   dropout: `Transformer(cpu_kernels=False)`) vs "ours" (the defaults), alternating, best of --repeats. On real Multi30k batches with
    --train-dir (an encode stage's train shards), else the synthetic reverse task with Multi30k's lengths.
 
 Sizes are the product's: K = 8000 (the Multi30k vocabulary), M = 2700 and 6800 target tokens per step.
@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 import tempfile
 import time
 import types
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -38,24 +40,28 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import model.loss as model_loss  # noqa: E402
-import model.transformer as model_transformer  # noqa: E402
 from model import ModelConfig, label_smoothed_nll  # noqa: E402
+from model.kernels import Dropout  # noqa: E402
+from pipeline.train import step as train_step  # noqa: E402
 
 K = 8000
 SIZES = {"multi30k-fast": dict(d_model=256, d_ff=1024, layers=3, tokens=2700, dropout=0.1),
          "multi30k-tiny": dict(d_model=128, d_ff=256, layers=4, tokens=6800, dropout=0.3)}
 
 
+ONE_PIECE = 1 << 62  # cpu_chunk_elements past any M * K: the loss in one piece
+
+
 @contextlib.contextmanager
-def before(on: bool):
-    """The loss in one piece and PyTorch's dropout (what a step did before), while `on`."""
-    saved = model_loss.CPU_CHUNK_ELEMENTS, model_transformer.CPU_DROPOUT
-    if on:
-        model_loss.CPU_CHUNK_ELEMENTS, model_transformer.CPU_DROPOUT = 1 << 62, False
-    try:
+def one_piece_step_loss(on: bool):
+    """While `on`, the training step's loss (`pipeline.train.step.micro_batch_loss`) in one piece:
+    this benchmark's A/B switch, not a setting of the product."""
+    if not on:
         yield
-    finally:
-        model_loss.CPU_CHUNK_ELEMENTS, model_transformer.CPU_DROPOUT = saved
+        return
+    with mock.patch.object(train_step, "label_smoothed_nll",
+                           functools.partial(label_smoothed_nll, cpu_chunk_elements=ONE_PIECE)):
+        yield
 
 
 def best_ms(fn, repeats: int, inner: int = 5) -> float:
@@ -85,13 +91,12 @@ def bench_loss(repeats: int) -> None:
                 F.cross_entropy(x.float(), target, ignore_index=0, label_smoothing=0.1, reduction="sum").backward()
                 return x.grad
 
-            def ours():
+            def ours(chunk_elements: int = model_loss.CPU_CHUNK_ELEMENTS):
                 x = logits.detach().requires_grad_()
-                label_smoothed_nll(x, target, epsilon=0.1)[0].backward()
+                label_smoothed_nll(x, target, epsilon=0.1, cpu_chunk_elements=chunk_elements)[0].backward()
                 return x.grad
 
-            with before(True):
-                one = best_ms(ours, repeats)
+            one = best_ms(lambda: ours(ONE_PIECE), repeats)
             chunks = best_ms(ours, repeats)
             ref = best_ms(torch_ref, repeats)
             x64 = logits.double().requires_grad_()  # the reference: PyTorch's loss in fp64
@@ -109,7 +114,7 @@ def bench_dropout(repeats: int) -> None:
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(*shape, dtype=dtype, requires_grad=True)
             g = torch.randn(*shape, dtype=dtype)
-            drop = model_transformer.Dropout(p).train()
+            drop = Dropout(p).train()
             ref = best_ms(lambda: F.dropout(x, p, training=True).backward(g), repeats)
             ours = best_ms(lambda: drop(x).backward(g), repeats)
             print(f"{str(shape):>12} {str(dtype).split('.')[1]:>8} {p:>4} {ref:>10.2f} {ours:>7.2f} {ref / ours:>14.2f}x")
@@ -120,8 +125,8 @@ def bench_steps(args) -> None:
 
     print(f"\nC. the bare training step, train.precision = auto ({args.steps} steps after 2 warm-up, "
           f"best of {args.repeats}, alternating; {'real batches: ' + args.train_dir if args.train_dir else 'synthetic reverse task'})")
-    print(f"{'model':>14} {'tgt tok/step':>12} {'before s/step':>14} {'after s/step':>13} {'before tok/s':>13} "
-          f"{'after tok/s':>12} {'after/before':>13}")
+    print(f"{'model':>14} {'tgt tok/step':>12} {'plain s/step':>14} {'ours s/step':>13} {'plain tok/s':>13} "
+          f"{'ours tok/s':>12} {'ours/plain':>13}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, s in SIZES.items():
             a = types.SimpleNamespace(rows=30000, vocab=K, max_len=28, d_model=s["d_model"], layers=s["layers"],
@@ -134,12 +139,12 @@ def bench_steps(args) -> None:
             steps = tb.micro_batches(spec, cfg, mc, torch.device("cpu"))
             best = {True: None, False: None}
             for _ in range(args.repeats):
-                for old in (True, False):
-                    with before(old):
-                        tb.run_bare(steps[:2], cfg, mc, torch.device("cpu"))
-                        r = tb.run_bare(steps[2:], cfg, mc, torch.device("cpu"))
-                    if best[old] is None or r["wall_s"] < best[old]["wall_s"]:
-                        best[old] = r
+                for plain in (True, False):
+                    with one_piece_step_loss(plain):
+                        tb.run_bare(steps[:2], cfg, mc, torch.device("cpu"), cpu_kernels=not plain)
+                        r = tb.run_bare(steps[2:], cfg, mc, torch.device("cpu"), cpu_kernels=not plain)
+                    if best[plain] is None or r["wall_s"] < best[plain]["wall_s"]:
+                        best[plain] = r
             b, n = best[True], best[False]
             per = args.steps
             print(f"{name:>14} {b['tgt_tokens'] / per:>12.0f} {b['wall_s'] / per:>14.3f} {n['wall_s'] / per:>13.3f} "

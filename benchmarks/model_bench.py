@@ -4,9 +4,9 @@
                                      [--batch-tokens N] [--peak-flops F] [--threads N] [--clock auto|wall|cpu]
 
 Training step = forward + label-smoothed loss + backward + Adam step, reported in target tokens/s
-for two variants of ours: `model(src, tgt_in)` (logits at every position, like Marian) and
-`model(src, tgt_in, nonpad_only=True)` (vocabulary projection and loss only at real target
-tokens, what the trainer should use).
+for two variants of ours: `model.logits(model(src, tgt_in))` (logits at every position, like
+Marian) and `model.logits(model(src, tgt_in, NonPad()))` (vocabulary projection and loss only at
+real target tokens, what the trainer uses).
 Both models get random weights, the same token ids, the same loss function
 (`model.label_smoothed_nll`), Adam with the same settings, and the same dropout (0.1 on residuals
 and embeddings, none in attention/FFN). Marian is built from a MarianConfig with our sizes: ReLU,
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model import ModelConfig, Transformer, beam_search, label_smoothed_nll, make_optimizer  # noqa: E402
+from model import ModelConfig, NonPad, Transformer, beam_search, label_smoothed_nll, make_optimizer  # noqa: E402
 
 PAD, BOS, EOS = 0, 2, 3
 SIZES = {  # vocab, d_model, d_ff, heads, layers (each side)
@@ -93,7 +93,7 @@ def _sync(device: str) -> None:
 
 def train_step_fn(model: torch.nn.Module, kind: str, batch, autocast: torch.autocast):
     """kind: "marian", "ours" (logits at every position, as Marian) or "ours_nonpad"
-    (nonpad_only=True: vocabulary projection and loss only at real target tokens)."""
+    (`NonPad()`: vocabulary projection and loss only at real target tokens)."""
     src, tgt_in, tgt_out = batch
     opt = make_optimizer(model, lr=1e-4)
     n_tokens = int(tgt_out.ne(PAD).sum())
@@ -105,9 +105,9 @@ def train_step_fn(model: torch.nn.Module, kind: str, batch, autocast: torch.auto
                 logits = model(input_ids=src, attention_mask=src.ne(PAD), decoder_input_ids=tgt_in).logits
                 loss, _ = label_smoothed_nll(logits, tgt_out, epsilon=0.1, ignore_index=PAD)
             elif kind == "ours":
-                loss, _ = label_smoothed_nll(model(src, tgt_in), tgt_out, epsilon=0.1, ignore_index=PAD)
+                loss, _ = label_smoothed_nll(model.logits(model(src, tgt_in)), tgt_out, epsilon=0.1, ignore_index=PAD)
             else:
-                loss, _ = label_smoothed_nll(model(src, tgt_in, nonpad_only=True), real_targets, epsilon=0.1,
+                loss, _ = label_smoothed_nll(model.logits(model(src, tgt_in, NonPad())), real_targets, epsilon=0.1,
                                              ignore_index=PAD)
         opt.zero_grad(set_to_none=True)
         (loss / n_tokens).backward()

@@ -8,8 +8,8 @@ B. bare:  the same micro-batches (same rows, same shapes) collated before timing
           runs forward, loss, backward, Adam, lr schedule.
 C. loader alone: plan + split + collate for the same steps, no model.
 D. with --ray (local mode as `make run` trains): the real `train` stage's Ray Train run on a
-   local Ray with every CPU, once with `train.cpus_per_worker = 1` (what a worker got before:
-   1 Ray CPU, so 1 torch thread) and once with 0 (auto: all of the node's CPUs), vs the bare step
+   local Ray with every CPU, once with `train.cpus_per_worker = 1` (1 Ray CPU, so 1 torch
+   thread) and once with 0 (auto: all of the node's CPUs), vs the bare step
    with all threads. Target: auto / bare >= 1.0.
 
 Prints target tokens/s of A and B and the ratio A/B (target >= 0.9), and the loader's cost per
@@ -100,10 +100,12 @@ def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device
     return steps
 
 
-def run_bare(steps, cfg: Config, mc: ModelConfig, device: torch.device, precision: str = "") -> dict:
-    """The bare step; `precision` "" = the loop's train.precision resolved for `device`."""
+def run_bare(steps, cfg: Config, mc: ModelConfig, device: torch.device, precision: str = "",
+             cpu_kernels: bool = True) -> dict:
+    """The bare step; `precision` "" = the loop's train.precision resolved for `device`;
+    `cpu_kernels`: the model's (`Transformer`'s)."""
     torch.manual_seed(cfg.train.seed)
-    model = Transformer(mc).to(device)
+    model = Transformer(mc, cpu_kernels=cpu_kernels).to(device)
     opt = make_optimizer(model)
     sched = make_scheduler(opt, mc.d_model, cfg.train.warmup_steps)
     precision = precision or resolve_precision(cfg.train.precision, device)
@@ -207,7 +209,7 @@ def ray_main(args) -> None:
         cfg.train.log_interval_steps = args.steps // 2  # the second window: warm, and what is compared
         steps = micro_batches(spec, cfg, mc, cpu)
         run_bare(steps[:3], cfg, mc, cpu)
-        modes = (("train stage, 1 CPU per worker (before)", 1), ("train stage, auto (all CPUs)", 0))
+        modes = (("train stage, 1 CPU per worker", 1), ("train stage, auto (all CPUs)", 0))
         results: dict[str, list[float]] = {}
         for r in range(args.repeats):
             for label, n in modes[1:] if args.ray_auto_only else modes:

@@ -38,6 +38,11 @@ class Heads:
         return torch.stack([pad_heads(p.view(B, T, h, w), self.hs) for p, w in zip(parts, sizes)]).permute(
             0, 1, 3, 2, 4)
 
+    def split_queries(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, h * d_k) one projection -> (B, h, T, hs), padded when d_k < d_v."""
+        B, T, _ = x.shape
+        return pad_heads(x.view(B, T, self.n_heads, self.d_k).transpose(1, 2), self.hs)
+
     def merge(self, y: torch.Tensor) -> torch.Tensor:
         """SDPA output (B, h, T, hs) -> (B, T, h * d_v), the padded value columns dropped."""
         return merge_heads(y if self.d_v == self.hs else y[..., : self.d_v])

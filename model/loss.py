@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 
 
-# On a CPU the (M, K) logits are walked in row chunks of about this many elements: each chunk's fp32
-# copy and its softmax stay in cache, and bf16 logits are never copied whole to fp32. Measured on a
-# 2-core AVX512-BF16 CPU, forward + backward at K = 8000 with bf16 logits: 175 -> 59 ms at
-# M = 2700 rows, 388 -> 154 ms at M = 6800 (fp32 logits: 1.4-1.6x), the same values bit for bit
-# (docs/benchmarks.md, `cpu_step_bench.py`). On a GPU one chunk: no Python loop.
+# On a CPU the (M, K) logits are walked in row chunks of about this many elements by default: each
+# chunk's fp32 copy and its softmax stay in cache, and bf16 logits are never copied whole to fp32;
+# the values are the same bit for bit, faster (docs/benchmarks.md, `cpu_step_bench.py`). On a GPU
+# one chunk: no Python loop.
 CPU_CHUNK_ELEMENTS = 1 << 19
 
 
@@ -17,22 +16,22 @@ def _acc_dtype(logits: torch.Tensor) -> torch.dtype:
     return logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _rows_per_chunk(logits: torch.Tensor) -> int:
+def _rows_per_chunk(logits: torch.Tensor, cpu_chunk_elements: int) -> int:
     M, K = logits.shape
-    return M if logits.device.type != "cpu" else max(1, CPU_CHUNK_ELEMENTS // max(K, 1))
+    return M if logits.device.type != "cpu" else max(1, cpu_chunk_elements // max(K, 1))
 
 
 class _SmoothedCrossEntropy(torch.autograd.Function):
     """Per-position (loss, nll) with a hand-written backward: one (M, K) pass for the softmax
     instead of autograd's chain through log_softmax, mean, gather and masking (each a full pass
     over M x K floats, the biggest tensor of a training step). Computed in fp32 at least, in row
-    chunks on a CPU (`CPU_CHUNK_ELEMENTS`)."""
+    chunks of `rows` on a CPU."""
 
     @staticmethod
-    def forward(ctx, logits, target, epsilon, ignore_index):  # (M, K), (M,) -> (M,), (M,)
+    def forward(ctx, logits, target, epsilon, ignore_index, rows):  # (M, K), (M,) -> (M,), (M,)
         keep = target.ne(ignore_index)  # (M,)
         tgt = target.masked_fill(~keep, 0)
-        M, rows, acc = logits.shape[0], _rows_per_chunk(logits), _acc_dtype(logits)
+        M, acc = logits.shape[0], _acc_dtype(logits)
         lse = logits.new_empty(M, dtype=acc)
         mean = logits.new_empty(M, dtype=acc)
         for s in range(0, M, rows):
@@ -43,7 +42,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         smooth = lse - mean  # (1/K) sum_k -log p(k)
         loss = ((1.0 - epsilon) * nll + epsilon * smooth).masked_fill_(~keep, 0.0)
         ctx.save_for_backward(logits, lse, tgt, keep)
-        ctx.epsilon = epsilon
+        ctx.epsilon, ctx.rows = epsilon, rows
         return loss, nll.masked_fill_(~keep, 0.0)
 
     @staticmethod
@@ -60,17 +59,18 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
             x.sub_(lse[s:e, None]).exp_().mul_(scale[s:e, None]).sub_(uniform[s:e, None])
             return x.scatter_add_(1, tgt[s:e, None], gold[s:e, None])
 
-        rows = _rows_per_chunk(logits)
+        rows = ctx.rows
         if rows >= M:  # one chunk (a GPU): no second (M, K) buffer
-            return rows_grad(0, M).to(logits.dtype), None, None, None
+            return rows_grad(0, M).to(logits.dtype), None, None, None, None
         grad = torch.empty_like(logits)
         for s in range(0, M, rows):
             grad[s : s + rows] = rows_grad(s, s + rows)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: float = 0.1,
-                       ignore_index: int = 0, reduction: str = "sum") -> tuple[torch.Tensor, torch.Tensor]:
+                       ignore_index: int = 0, reduction: str = "sum",
+                       cpu_chunk_elements: int = CPU_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
     """Label-smoothed loss and plain NLL of `target` under `logits`.
 
     logits (..., K), target (...) long. Returns (loss, nll):
@@ -86,13 +86,16 @@ def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: floa
     Positions where target == ignore_index (pad) contribute 0. reduction: "sum" (default; the
     trainer divides by the number of target tokens of a whole optimizer step), "mean" (over
     non-pad tokens) or "none" (per position, 0 at pads). Computed in float32 at least; both
-    outputs are differentiable (the nll usually serves for logging: detach it).
+    outputs are differentiable (the nll usually serves for logging: detach it). On a CPU the
+    logits are walked in rows of about `cpu_chunk_elements` elements (the same values; see
+    `CPU_CHUNK_ELEMENTS`).
     """
     if reduction not in ("sum", "mean", "none"):
         raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
     K = logits.shape[-1]
-    loss, nll = _SmoothedCrossEntropy.apply(logits.reshape(-1, K), target.reshape(-1), float(epsilon),
-                                            ignore_index)
+    logits = logits.reshape(-1, K)
+    loss, nll = _SmoothedCrossEntropy.apply(logits, target.reshape(-1), float(epsilon), ignore_index,
+                                            _rows_per_chunk(logits, cpu_chunk_elements))
     if reduction == "none":
         return loss.view(target.shape), nll.view(target.shape)
     if reduction == "sum":

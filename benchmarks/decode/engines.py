@@ -49,7 +49,7 @@ def compare_engines(args: argparse.Namespace) -> dict:
     this process, one thread each: sentences/s and sacreBLEU against the newstest2014 references."""
     import sacrebleu
 
-    from model.transformer import DecoderState
+    from model import DecoderState
 
     data = Path(args.data)
     src_file, ref_file = Path(args.src_file or data / "newstest2014.en"), Path(args.ref_file or data / "newstest2014.de")

@@ -3,7 +3,7 @@ function behind the score report's heatmaps (``pipeline.evaluate.attention_plots
 app's ``"attention": true`` and its page, so all three show the same numbers.
 
 A teacher-forced pass over (source, the model's own hypothesis) through
-``model.attention.attention_weights``: every layer's and head's softmax(Q K^T / sqrt(d_k)) (§3.2.1)
+``model.attention_weights.attention_weights``: every layer's and head's softmax(Q K^T / sqrt(d_k)) (§3.2.1)
 of the encoder's self-attention, the decoder's masked self-attention and its cross-attention.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from model import Transformer
-from model.attention import KINDS, attention_weights
+from model.attention_weights import KINDS, attention_weights
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """`train.attention_backend`: which scaled-dot-product-attention kernel a GPU worker trains with.
 
-PyTorch picks an SDPA backend by rule, not by speed; on Hopper with torch 2.11 it picked cuDNN's,
-which builds a plan per shape (issue 37's profile: ~0.75 s per new batch shape for base). "auto"
+PyTorch picks an SDPA backend by rule, not by speed; on Hopper with torch 2.11 it picks cuDNN's,
+which builds a plan per shape (docs/benchmarks.md has the profile). "auto"
 times each candidate (flash, memory-efficient, cuDNN) first in PyTorch's priority list, on what a
 layer's attention does (one causal, two key-padding-masked calls, forward and backward) at a
 training-sized shape of this model, and keeps the fastest for the run; a named backend is put
 first as it is. The others stay behind it, so a call the chosen kernel cannot run (flash takes no
 mask) falls back instead of failing. On a CPU "auto" leaves PyTorch's choice (its flash kernel; the model
-already runs bf16 attention in fp32 there, `model.transformer._sdpa`). Torch only.
+already runs bf16 attention in fp32 there, `model.kernels.sdpa`). Torch only.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ is left out, as in every MFU figure. The backward of a matmul counts twice its f
 
 Shapes come from lengths alone (`MicroShape`): a micro-batch of B pairs padded to S source and
 T target columns, with Ms and Mt real positions (the model computes position-wise work on those
-only, `model.transformer.Packing`), as `pipeline.train.batching.collate` builds it on a GPU
+only, `model.padding.Positions`), as `pipeline.train.batching.collate` builds it on a GPU
 (no row rounding). Imports torch, numpy and the model only: benchmarks/gpu_check.py uses it.
 """
 
@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from model import ModelConfig, Transformer, label_smoothed_nll
+from model import ModelConfig, NonPad, Transformer, label_smoothed_nll
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,8 @@ def count_step_flops(mc: ModelConfig, micro: list[MicroShape], label_smoothing: 
                 continue
             src = torch.full((m.B, m.S), mc.eos_id, **long)
             tgt_in = torch.full((m.B, m.T), mc.bos_id, **long)
-            logits = model(src, tgt_in, nonpad_only=True, src_index=torch.empty(m.Ms, **long),
-                           tgt_index=torch.empty(m.Mt, **long))  # (Mt, V)
+            hidden = model(src, tgt_in, NonPad(torch.empty(m.Ms, **long), torch.empty(m.Mt, **long)))
+            logits = model.logits(hidden)  # (Mt, V)
             loss, _ = label_smoothed_nll(logits, torch.full((m.Mt,), mc.eos_id, **long), epsilon=label_smoothing,
                                          ignore_index=mc.pad_id)
             loss.backward()
@@ -94,9 +94,6 @@ def count_step_ops(mc: ModelConfig, label_smoothing: float = 0.1) -> int:
     (milliseconds), with PyTorch's dropout and the loss in one piece as on a GPU. Not on the meta
     device: there SDPA decomposes into its math ops, where a GPU runs one fused kernel forward and
     one backward (as this CPU does). Cached per model."""
-    import model.loss as model_loss
-    import model.transformer as model_transformer
-
     key = (tuple(sorted(vars(mc).items())), label_smoothing)
     if key in _ops:
         return _ops[key]
@@ -104,21 +101,16 @@ def count_step_ops(mc: ModelConfig, label_smoothing: float = 0.1) -> int:
     heads = {} if mc.d_k is None and mc.d_v is None else {"d_k": 8 if dk <= dv else 16, "d_v": 8 if dv <= dk else 16}
     small = dataclasses.replace(mc, d_model=8 * mc.n_heads, d_ff=16, vocab_size=max(mc.pad_id, mc.bos_id, mc.eos_id) + 8,
                                 max_positions=16, **heads)
-    cpu_dropout, chunk = model_transformer.CPU_DROPOUT, model_loss.CPU_CHUNK_ELEMENTS
-    model_transformer.CPU_DROPOUT, model_loss.CPU_CHUNK_ELEMENTS = False, 1 << 40
-    try:
-        with torch.device("cpu"):
-            model = Transformer(small).train()
-        B, S, T = 2, 3, 3
-        src = torch.full((B, S), small.eos_id)
-        tgt = torch.full((B, T), small.bos_id)
-        with OpCounter() as ops:
-            logits = model(src, tgt, nonpad_only=True, src_index=torch.arange(B * S), tgt_index=torch.arange(B * T))
-            loss, _ = label_smoothed_nll(logits, torch.full((B * T,), small.eos_id), epsilon=label_smoothing,
-                                         ignore_index=small.pad_id)
-            loss.backward()
-    finally:
-        model_transformer.CPU_DROPOUT, model_loss.CPU_CHUNK_ELEMENTS = cpu_dropout, chunk
+    with torch.device("cpu"):
+        model = Transformer(small, cpu_kernels=False).train()
+    B, S, T = 2, 3, 3
+    src = torch.full((B, S), small.eos_id)
+    tgt = torch.full((B, T), small.bos_id)
+    with OpCounter() as ops:
+        logits = model.logits(model(src, tgt, NonPad(torch.arange(B * S), torch.arange(B * T))))
+        loss, _ = label_smoothed_nll(logits, torch.full((B * T,), small.eos_id), epsilon=label_smoothing,
+                                     ignore_index=small.pad_id, cpu_chunk_elements=1 << 40)
+        loss.backward()
     _ops[key] = ops.count
     return ops.count
 

@@ -74,9 +74,11 @@ class LoopSpec:
 
 
 class Trainer:
-    """One worker's model, optimizer and data, and the loop; `run()` trains up to `train.max_steps`."""
+    """One worker's model, optimizer and data, and the loop; `run()` trains up to `train.max_steps`.
+    `cpu_kernels`: the model's (`Transformer`'s); False: PyTorch's dropout on a CPU too (an eager
+    run compared with a compiled one, whose dropout is PyTorch's)."""
 
-    def __init__(self, spec: LoopSpec, session: Session):
+    def __init__(self, spec: LoopSpec, session: Session, cpu_kernels: bool = True):
         self.spec, self.session = spec, session
         self.cfg = config_from_dict(spec.cfg)
         self.tc = self.cfg.train
@@ -86,7 +88,7 @@ class Trainer:
         self.train_data = load_shared_corpus(spec.train_dir, self.tc.corpus_cache_dir or None)
         self.plan = StepPlan(self.train_data, self.tc.max_len, self.tc.tokens_per_step, self.tc.seed)
         torch.manual_seed(self.tc.seed)  # identical initial weights on every worker
-        self.model = Transformer(self.mcfg).to(self.device)
+        self.model = Transformer(self.mcfg, cpu_kernels=cpu_kernels).to(self.device)
         # train.shape_buckets: fixed shapes on a GPU, for the steps and the dev batches alike
         buckets = ShapeBuckets() if on_for(self.tc.shape_buckets, self.device.type) else None
         # train.fused_loss: the output projection fused with the loss (its weight, its matmul dtype)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import label_smoothed_nll, linear_label_smoothed_nll
+from model import NonPad, label_smoothed_nll, linear_label_smoothed_nll
 from pipeline.train import batching
 
 
@@ -75,20 +75,29 @@ def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, epsilon: float, pad
                      fused_output: tuple[torch.Tensor, torch.dtype] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss_sum, nll_sum) of one micro-batch at its real target positions: the model under
-    `autocast`, then the label-smoothed loss of its logits, or with `fused_output` = (the output
-    projection's weight, the dtype it multiplies in) the projection fused with the loss
-    (`model.linear_label_smoothed_nll`: no (M, V) logits; `train.fused_loss`, on GPUs). Training
-    steps and validation both compute it so."""
+    `autocast`, then the label-smoothed loss of its logits (projected under `autocast` too), or
+    with `fused_output` = (the output projection's weight, the dtype it multiplies in) the
+    projection fused with the loss (`model.linear_label_smoothed_nll`: no (M, V) logits;
+    `train.fused_loss`, on GPUs). Training steps and validation both compute it so.
+
+    `model` is the Transformer, or it wrapped by DDP and/or torch.compile: the call goes through
+    the wrappers (DDP prepares its gradient reduction in forward); the projection outside forward
+    is the Transformer's own (its gradient still reaches DDP through autograd)."""
     # (M,): the projection skips pad positions. A boolean index would wait for the device to learn
     # M; collate gives the target and the positions, computed on the host.
     target = mb.target if mb.target is not None else mb.tgt_out[mb.tgt_out != pad_id]
     with autocast():
-        out = model(mb.src, mb.tgt_in, nonpad_only=True, src_index=mb.src_index, tgt_index=mb.tgt_index,
-                    hidden_only=fused_output is not None)  # (M, V), or (M, d) for the fused loss
+        hidden = model(mb.src, mb.tgt_in, NonPad(mb.src_index, mb.tgt_index))  # (M, d)
+        logits = _unwrapped(model).logits(hidden) if fused_output is None else None  # (M, V)
     if fused_output is None:
-        return label_smoothed_nll(out, target, epsilon=epsilon, ignore_index=pad_id)
+        return label_smoothed_nll(logits, target, epsilon=epsilon, ignore_index=pad_id)
     weight, dtype = fused_output
-    return linear_label_smoothed_nll(out, weight, target, epsilon, pad_id, dtype)
+    return linear_label_smoothed_nll(hidden, weight, target, epsilon, pad_id, dtype)
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP (torch.compile's wrapper hands attributes to its module itself)."""
+    return model.module if isinstance(model, DDP) else model
 
 
 def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch], step_tgt_tokens: int,

@@ -61,7 +61,7 @@ def test_hf_logits_equal_ours_teacher_forced(tiny_export, data):
     tgt = [[cfg.bos_id] + sp.encode(s) for s in data["de"]]
     src_ids, tgt_ids = pad_batch(data["src"], cfg.pad_id), pad_batch(tgt, cfg.pad_id)
     with torch.no_grad():
-        ours = data["model"](src_ids, tgt_ids)
+        ours = data["model"].logits(data["model"](src_ids, tgt_ids))
         theirs = hf(input_ids=src_ids, attention_mask=src_ids.ne(cfg.pad_id), decoder_input_ids=tgt_ids,
                     decoder_attention_mask=tgt_ids.ne(cfg.pad_id)).logits
     real = tgt_ids.ne(cfg.pad_id)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from model import ModelConfig, Transformer, label_smoothed_nll, make_optimizer, make_scheduler
+from model import ModelConfig, NonPad, Transformer, label_smoothed_nll, make_optimizer, make_scheduler
 
 VOCAB_SIZE = 600
 MAX_PIECES = 40  # training pairs longer than this (either side) are skipped
@@ -73,7 +73,7 @@ def _train(wmt14_dir: Path, root: Path, steps: int, batch_size: int) -> dict:
         src = _pad([s + [cfg.eos_id] for s, _ in batch])
         tgt_in = _pad([[cfg.bos_id] + t for _, t in batch])
         tgt_out = _pad([t + [cfg.eos_id] for _, t in batch])
-        logits = model(src, tgt_in, nonpad_only=True)
+        logits = model.logits(model(src, tgt_in, NonPad()))
         loss, _ = label_smoothed_nll(logits, tgt_out[tgt_out.ne(0)], 0.1, reduction="mean")
         opt.zero_grad()
         loss.backward()

@@ -1,4 +1,4 @@
-"""model.attention.attention_weights: the maps a model computes, checked against torch's own
+"""model.attention_weights.attention_weights: the maps a model computes, checked against torch's own
 nn.MultiheadAttention (need_weights, per head) and for the properties a softmax row must have."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from model import ModelConfig, Transformer
-from model.attention import attention_weights
+from model.attention_weights import attention_weights
 
 CFG = dict(vocab_size=50, d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=3, dropout=0.1,
            max_positions=64)
@@ -53,7 +53,7 @@ def test_encoder_first_layer_equals_multihead_attention_weights():
 
 def _embedded(model: Transformer, src: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return model._embed(model.src_embed, torch.tensor([src]))
+        return model.embed(model.src_embed, torch.tensor([src]))
 
 
 def test_outputs_unchanged_and_cross_differs_per_source():

@@ -7,12 +7,9 @@ import torch
 
 from model import ModelConfig, Transformer, beam_search
 from model.search import _topk_rows
-from model.transformer import (
-    DecoderState,
-    EncoderLayer,
-    Packing,
-    key_padding_to_attn_mask,
-)
+from model.incremental import DecoderState
+from model.padding import Positions, key_padding_to_attn_mask
+from model.transformer import EncoderLayer
 
 PAD, BOS, EOS = 0, 2, 3
 
@@ -38,12 +35,12 @@ def test_packed_encoder_layer_equals_padded_at_real_positions():
     layer = EncoderLayer(ModelConfig(vocab_size=11, d_model=16, d_ff=32, n_heads=4)).eval()
     x = torch.randn(3, 7, 16)
     pad = torch.arange(7)[None, :] >= torch.tensor([7, 4, 1])[:, None]
-    packing = Packing(~pad)
+    at = Positions(~pad)
     padded = layer(x, key_padding_to_attn_mask(pad))
-    packed = layer(packing.pack(x), key_padding_to_attn_mask(pad), packing)
+    packed = layer(at.pack(x), key_padding_to_attn_mask(pad), at)
     assert packed.shape == (12, 16)
     assert (packed - padded[~pad]).abs().max() < 1e-5
-    assert torch.equal(packing.unpack(packed)[pad], torch.zeros(int(pad.sum()), 16))
+    assert torch.equal(at.unpack(packed)[pad], torch.zeros(int(pad.sum()), 16))
 
 
 @torch.no_grad()
@@ -51,7 +48,7 @@ def test_encode_equals_padded_layers_at_real_positions_and_is_zero_at_padding():
     model = _model()
     src = _src()
     memory, src_pad_mask = model.encode(src)
-    x = model._embed(model.src_embed, src)
+    x = model.embed(model.src_embed, src)
     for layer in model.encoder_layers:  # the unpacked computation
         x = layer(x, key_padding_to_attn_mask(src_pad_mask))
     assert (memory - x)[~src_pad_mask].abs().max() < 1e-5
@@ -60,7 +57,7 @@ def test_encode_equals_padded_layers_at_real_positions_and_is_zero_at_padding():
 
 @torch.no_grad()
 def test_eval_decode_step_equals_module_path_with_beams_and_shared_first_step():
-    """Eval mode runs `_decoder_layer_step` on transposed weight copies; train mode (dropout 0
+    """Eval mode runs `incremental.decoder_layer_step` on transposed weight copies; train mode (dropout 0
     here) runs the modules. Step 0 fed one row per sentence equals feeding all k beams."""
     model = _model(1, dropout=0.0)
     src, k, T = _src(), 3, 6
@@ -71,7 +68,7 @@ def test_eval_decode_step_equals_module_path_with_beams_and_shared_first_step():
     fast = model.init_decoder_state(memory, src_pad_mask, beam_size=k, max_len=T)
     model.train()
     slow = model.init_decoder_state(memory, src_pad_mask, beam_size=k, max_len=T)
-    assert slow.layer_weights_t is None and fast.layer_weights_t is not None
+    assert slow.layer_weights is None and fast.layer_weights is not None
     slow_logits = model.decode_step(rows[:, 0], slow)  # (N, V), all k beams fed
     model.eval()
     fast_logits = model.decode_step(rows[::k, 0], fast)  # (B, V), one row per sentence

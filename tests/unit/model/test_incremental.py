@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from model import ModelConfig, Transformer
+from model import ModelConfig, NonPad, Transformer
 
 PAD, BOS, EOS = 0, 2, 3
 
@@ -32,7 +32,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def test_decode_step_equals_forward_at_every_position():
     model = _model()
     src, tgt_in = _batch()
-    full = model(src, tgt_in)  # (B, T, V)
+    full = model.logits(model(src, tgt_in))  # (B, T, V)
     memory, src_pad_mask = model.encode(src)
     state = model.init_decoder_state(memory, src_pad_mask, beam_size=1, max_len=tgt_in.shape[1])
     for t in range(tgt_in.shape[1]):
@@ -59,7 +59,7 @@ def test_decode_step_with_beams_and_reorder():
     prefixes[:, :3] = rows[swap, :3]
     for t in range(3, T):
         step_logits = model.decode_step(prefixes[:, t], state)
-        expected = model(src.repeat_interleave(k, dim=0), prefixes)[:, t]
+        expected = model.logits(model(src.repeat_interleave(k, dim=0), prefixes))[:, t]
         assert (step_logits - expected).abs().max() < 1e-5, t
 
 
@@ -67,11 +67,11 @@ def test_decode_step_with_beams_and_reorder():
 def test_causality_future_tokens_do_not_change_earlier_logits():
     model = _model(2)
     src, tgt_in = _batch()
-    base = model(src, tgt_in)
+    base = model.logits(model(src, tgt_in))
     for j in range(1, tgt_in.shape[1]):
         changed = tgt_in.clone()
         changed[:, j] = (changed[:, j] + 1 - 4) % 19 + 4
-        out = model(src, changed)
+        out = model.logits(model(src, changed))
         assert torch.equal(out[:, :j], base[:, :j]) or (out[:, :j] - base[:, :j]).abs().max() < 1e-6
         assert (out[:, j] - base[:, j]).abs().max() > 1e-4
 
@@ -82,7 +82,7 @@ def test_extra_padding_changes_nothing():
     src, tgt_in = _batch()
     pad_src = torch.cat([src, torch.full((3, 4), PAD)], dim=1)
     pad_tgt = torch.cat([tgt_in, torch.full((3, 2), PAD)], dim=1)
-    assert (model(pad_src, pad_tgt)[:, : tgt_in.shape[1]] - model(src, tgt_in)).abs().max() < 1e-5
+    assert (model.logits(model(pad_src, pad_tgt))[:, : tgt_in.shape[1]] - model.logits(model(src, tgt_in))).abs().max() < 1e-5
 
 
 def test_dropout_only_in_train_mode():
@@ -95,11 +95,11 @@ def test_dropout_only_in_train_mode():
 
 
 @torch.no_grad()
-def test_forward_nonpad_only_selects_real_positions():
+def test_forward_at_nonpad_positions_selects_real_positions():
     model = _model(5)
     src, tgt_in = _batch()
-    full = model(src, tgt_in)
-    packed = model(src, tgt_in, nonpad_only=True)
+    full = model.logits(model(src, tgt_in))
+    packed = model.logits(model(src, tgt_in, NonPad()))
     keep = tgt_in.ne(PAD)
     assert packed.shape == (int(keep.sum()), 23)
     assert (packed - full[keep]).abs().max() < 1e-5

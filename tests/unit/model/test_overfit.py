@@ -46,7 +46,7 @@ def _train_and_check() -> None:
     sched = make_scheduler(opt, d_model=cfg.d_model, warmup_steps=50, scale=0.5)
     src, tgt_in, tgt_out, expected = _reverse_task(64, cfg.vocab_size, seed=1)
     for _ in range(250):  # ~5 s on one CPU thread; the loss floor (~0.53) is reached by ~200
-        loss, _ = label_smoothed_nll(model(src, tgt_in), tgt_out, epsilon=0.1, reduction="mean")
+        loss, _ = label_smoothed_nll(model.logits(model(src, tgt_in)), tgt_out, epsilon=0.1, reduction="mean")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from model import ModelConfig, Transformer, label_smoothed_nll
+from model import ModelConfig, NonPad, Transformer, label_smoothed_nll
 from pipeline.train import batching
 from pipeline.train.step import to_device
 
@@ -24,7 +24,7 @@ def test_loss_and_gradients_with_rounded_rows_equal_the_unrounded_ones():
     def loss_and_grads(multiple: int):
         b = to_device(batching.collate(np.arange(7), sv, so, tv, to, 0, 2, 3, row_multiple=multiple), torch.device("cpu"))
         model.zero_grad()
-        logits = model(b.src, b.tgt_in, nonpad_only=True, src_index=b.src_index, tgt_index=b.tgt_index)
+        logits = model.logits(model(b.src, b.tgt_in, NonPad(b.src_index, b.tgt_index)))
         loss, nll = label_smoothed_nll(logits, b.target, epsilon=0.1, ignore_index=0)
         loss.backward()
         return len(b.tgt_index), loss.item(), nll.item(), [p.grad.clone() for p in model.parameters()]
@@ -37,7 +37,7 @@ def test_loss_and_gradients_with_rounded_rows_equal_the_unrounded_ones():
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
 
     b = batching.collate(np.arange(7), sv, so, tv, to, 0, 2, 3)  # reference: full logits, pad ignored
-    full = model(torch.from_numpy(b.src), torch.from_numpy(b.tgt_in))
+    full = model.logits(model(torch.from_numpy(b.src), torch.from_numpy(b.tgt_in)))
     ref, _ = label_smoothed_nll(full.reshape(-1, 40), torch.from_numpy(b.tgt_out).reshape(-1), epsilon=0.1,
                                 ignore_index=0)
     assert abs(ref.item() - loss64) < 1e-9 * abs(ref.item())

@@ -30,11 +30,17 @@ TABLES = {
 
 
 class StubState:
+    """A state with neither optional ability of `model.search.SearchState`."""
+
+    first_step_per_sentence = False
+    drops_sentences = False
+
     def __init__(self, keys: list[int], beam_size: int, max_len: int):
         self.keys, self.beam_size, self.max_len, self.step = keys, beam_size, max_len, 0
         self.prefixes: list[tuple[int, ...]] = [()] * len(keys)
 
-    def reorder(self, indices: torch.Tensor) -> None:
+    def reorder(self, indices: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
+        assert sentences is None, "reorder took sentences from a state that does not drop them"
         idx = indices.tolist()
         assert all(i // self.beam_size == r // self.beam_size for r, i in enumerate(idx))
         self.prefixes = [self.prefixes[i] for i in idx]
@@ -59,7 +65,7 @@ class DroppingStubState(StubState):
 class StubModel:
     """Next-token distribution looked up by (first source token, output prefix)."""
 
-    cfg = SimpleNamespace(pad_id=PAD, bos_id=BOS, eos_id=EOS)
+    cfg = SimpleNamespace(pad_id=PAD, bos_id=BOS, eos_id=EOS, vocab_size=V, max_positions=None)
     state_cls = StubState
     rows_fed = 0
 
@@ -192,7 +198,7 @@ def _sdpa_switches() -> tuple[bool, bool, bool, bool]:
 
 
 def test_gpu_decoding_attention_excludes_cudnn_and_restores_the_switches():
-    """Issue 37: a search's shapes change every step, and cuDNN's SDPA plans per shape."""
+    """A search's shapes change every step, and cuDNN's SDPA plans per shape."""
     from model import search
 
     before = _sdpa_switches()

@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model.loss as model_loss
 from model import (ADAM_BETAS, ADAM_EPS, ModelConfig, Transformer, average_checkpoints,
                    label_smoothed_nll, make_optimizer, make_scheduler, noam_lambda, noam_lr)
 
@@ -130,16 +129,15 @@ def test_label_smoothing_gradients_match_torch(epsilon):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_label_smoothing_in_cpu_row_chunks_matches_torch(dtype, monkeypatch):
-    """On a CPU the loss walks the logits in row chunks (model.loss.CPU_CHUNK_ELEMENTS): with chunks
+def test_label_smoothing_in_cpu_row_chunks_matches_torch(dtype):
+    """On a CPU the loss walks the logits in row chunks (`cpu_chunk_elements`): with chunks
     of 3 rows over 10 (the last one short), loss, nll and gradients equal PyTorch's cross entropy;
     bf16 logits to bf16 rounding of the gradient (the reference runs on the same values in fp64)."""
-    monkeypatch.setattr(model_loss, "CPU_CHUNK_ELEMENTS", 3 * 7)
     g = torch.Generator().manual_seed(2)
     logits = (3 * torch.randn(10, 7, generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
     target = torch.randint(1, 7, (10,), generator=g)
     target[[2, 9]] = 0
-    loss, nll = label_smoothed_nll(logits, target, epsilon=0.1)
+    loss, nll = label_smoothed_nll(logits, target, epsilon=0.1, cpu_chunk_elements=3 * 7)
     (loss + 0.5 * nll).backward()
     ref_logits = logits.detach().double().requires_grad_()
     ref_loss = F.cross_entropy(ref_logits, target, ignore_index=0, label_smoothing=0.1, reduction="sum")

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from model.transformer import CrossAttention, Packing, SelfAttention
+from model.padding import Positions
+from model.transformer import CrossAttention, SelfAttention
 
 PAD, BOS, EOS = 0, 2, 3
 
@@ -55,8 +56,8 @@ def test_self_attention_with_any_head_widths_is_the_papers_formula(d_k, d_v):
                                         attn.out_proj.bias, h, d_k, d_v, causal)
         got = attn(x, is_causal=True)
         keep = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)  # right padding
-        packing = Packing(keep)
-        got_packed = packing.unpack(attn(packing.pack(x), is_causal=True, packing=packing))
+        at = Positions(keep)
+        got_packed = at.unpack(attn(at.pack(x), is_causal=True, at=at))
     assert (got - expected).abs().max() < 1e-5
     # Packed (real positions only): row 1's real positions see only real keys before them.
     assert (got_packed[keep] - expected[keep]).abs().max() < 1e-5
@@ -130,12 +131,12 @@ def test_incremental_decoding_equals_forward_and_is_causal(kw):
                       max_positions=40, **kw)
     model = Transformer(cfg).eval()
     src, tgt_in = _batch(23)
-    full = model(src, tgt_in)
+    full = model.logits(model(src, tgt_in))
     memory, src_pad_mask = model.encode(src)
     k = 2
     state = model.init_decoder_state(memory.repeat_interleave(1, 0), src_pad_mask, beam_size=k,
                                      max_len=tgt_in.shape[1])
-    assert (state.layer_weights_t is not None) == (cfg.head_dims[0] == cfg.head_dims[1])  # fast step iff d_k = d_v
+    assert (state.layer_weights is not None) == (cfg.head_dims[0] == cfg.head_dims[1])  # fast step iff d_k = d_v
     rows = tgt_in.repeat_interleave(k, dim=0)
     for t in range(tgt_in.shape[1]):
         step = model.decode_step(rows[:, t], state)  # (B * k, V)
@@ -143,8 +144,8 @@ def test_incremental_decoding_equals_forward_and_is_causal(kw):
     # Causality: changing the last two decoder inputs leaves earlier positions' logits unchanged.
     changed = tgt_in.clone()
     changed[0, 4:] = torch.tensor([5, 6])
-    assert (model(src, changed)[0, :4] - full[0, :4]).abs().max() < 1e-5
-    assert (model(src, changed)[0, 4:] - full[0, 4:]).abs().max() > 1e-4
+    assert (model.logits(model(src, changed))[0, :4] - full[0, :4]).abs().max() < 1e-5
+    assert (model.logits(model(src, changed))[0, 4:] - full[0, 4:]).abs().max() > 1e-4
 
 
 def test_learned_positions_are_a_trained_parameter_in_place_of_sinusoids():
@@ -155,14 +156,14 @@ def test_learned_positions_are_a_trained_parameter_in_place_of_sinusoids():
     assert "pos_embed.weight" in model.state_dict() and sinusoid.pos_embed is None
     src, tgt_in = _batch(23)
     model.train()
-    logits = model(src, tgt_in)
+    logits = model.logits(model(src, tgt_in))
     logits.sum().backward()
     assert model.pos_embed.weight.grad is not None and model.pos_embed.weight.grad.abs().sum() > 0
     model.eval()
     with torch.no_grad():
-        before = model(src, tgt_in)
+        before = model.logits(model(src, tgt_in))
         model.pos_embed.weight[1].add_(1.0)  # position 1 only
-        after = model(src, tgt_in)
+        after = model.logits(model(src, tgt_in))
     assert (before - after).abs().max() > 1e-4  # the positions are what the model reads
 
 

@@ -173,32 +173,28 @@ def test_plan_bills_with_the_cached_encode_stage_and_the_run_logs_it(tmp_path):
 @pytest.mark.parametrize("mc", [TINY, ModelConfig(vocab_size=60, d_model=24, d_ff=40, n_heads=2, d_k=4, d_v=12,
                                                   n_encoder_layers=1, n_decoder_layers=2, tie_embeddings=False)],
                          ids=["tiny", "d_k<d_v untied"])
-def test_the_op_count_is_what_a_step_of_the_real_widths_dispatches(monkeypatch, mc):
+def test_the_op_count_is_what_a_step_of_the_real_widths_dispatches(mc):
     """`flops.count_step_ops` (a model of the same structure shrunk to 8 columns a head) against
     the model at its own widths run for real on this CPU, with the GPU's dropout and the loss in one
     piece (the CPU's own dropout and row chunks are not a GPU's path): the same number of aten ops,
     whatever the batch's size."""
     import torch
 
-    import model.loss
-    import model.transformer
-    from model import Transformer, label_smoothed_nll
+    from model import NonPad, Transformer, label_smoothed_nll
 
-    monkeypatch.setattr(model.transformer, "CPU_DROPOUT", False)
-    monkeypatch.setattr(model.loss, "CPU_CHUNK_ELEMENTS", 1 << 40)
     torch.manual_seed(0)
-    net = Transformer(mc).train()
+    net = Transformer(mc, cpu_kernels=False).train()
     for B, S, T in [(3, 5, 4), (8, 11, 13)]:
         src = torch.randint(4, mc.vocab_size, (B, S))
         tgt = torch.randint(4, mc.vocab_size, (B, T))
         with flops.OpCounter() as ops:
-            logits = net(src, tgt, nonpad_only=True, src_index=torch.arange(B * S), tgt_index=torch.arange(B * T))
-            loss, _ = label_smoothed_nll(logits, tgt.reshape(-1), 0.1, mc.pad_id)
+            logits = net.logits(net(src, tgt, NonPad(torch.arange(B * S), torch.arange(B * T))))
+            loss, _ = label_smoothed_nll(logits, tgt.reshape(-1), 0.1, mc.pad_id, cpu_chunk_elements=1 << 40)
             loss.backward()
         assert ops.count == flops.count_step_ops(mc, 0.1), (B, S, T)
 
 
-def test_the_host_cost_per_op_is_issue_37s_measurement_over_the_counted_ops():
+def test_the_host_cost_per_op_is_the_measured_step_over_the_counted_ops():
     """61.6 ms of host time per eager step of the Multi30k tiny recipe (two micro-batches) on an H200
     machine; if the model's op count changes, the constant must be measured again."""
     cfg = load_config(["configs/multi30k-tiny.toml"], [])
@@ -210,7 +206,7 @@ def test_the_host_cost_per_op_is_issue_37s_measurement_over_the_counted_ops():
 
 
 def test_an_eager_bill_is_bounded_by_the_host_and_prints_how():
-    """The Multi30k tiny recipe, eager: 8.6 s of math at the assumed MFU, ~9 min measured (issue 37);
+    """The Multi30k tiny recipe, eager: 8.6 s of math at the assumed MFU, ~9 min measured (docs/benchmarks.md);
     the bill's hours are its host floor, computed from the printed figures."""
     cfg = load_config(["configs/multi30k-tiny.toml"], ["--train.compile=false"])
     mc = ModelConfig(vocab_size=8000, d_model=128, d_ff=256, n_heads=4, n_encoder_layers=4, n_decoder_layers=4,

@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import model.transformer
 from model import ModelConfig
 from pipeline.config import Config
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
@@ -47,7 +46,7 @@ def shards(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def trainer(shards, tmp: Path, precision: str, backend: str | None, max_steps: int, eval_every: int = 0,
-            dropout: float = 0.1, gpu_recipe: bool = False) -> Trainer:
+            dropout: float = 0.1, gpu_recipe: bool = False, cpu_kernels: bool = True) -> Trainer:
     """`gpu_recipe`: what "auto" turns on on a GPU, here on the CPU: shape buckets and the fused loss."""
     cfg = Config()
     t = cfg.train
@@ -60,7 +59,7 @@ def trainer(shards, tmp: Path, precision: str, backend: str | None, max_steps: i
                      dropout=dropout)
     spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(shards[0]),
                     dev_dir=str(shards[1]) if eval_every else "")
-    return Trainer(spec, LocalSession(tmp))
+    return Trainer(spec, LocalSession(tmp), cpu_kernels=cpu_kernels)
 
 
 @pytest.mark.slow
@@ -86,13 +85,12 @@ def _losses(out: dict) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision, tol", [("fp32", 1e-4), pytest.param("bf16", 2e-2, marks=NO_BF16)])
-def test_inductor_losses_equal_eager(shards, tmp_path, precision, tol, monkeypatch):
+def test_inductor_losses_equal_eager(shards, tmp_path, precision, tol):
     torch._dynamo.reset()
     # a compiled model draws its masks with PyTorch's dropout: so does the eager reference
-    monkeypatch.setattr(model.transformer, "CPU_DROPOUT", False)
-    eager = trainer(shards, tmp_path / "eager", precision, None, max_steps=25).run()
+    eager = trainer(shards, tmp_path / "eager", precision, None, max_steps=25, cpu_kernels=False).run()
     with torch._inductor.config.patch(fallback_random=True):  # eager's dropout masks
-        compiled = trainer(shards, tmp_path / "compiled", precision, "inductor", max_steps=25).run()
+        compiled = trainer(shards, tmp_path / "compiled", precision, "inductor", max_steps=25, cpu_kernels=False).run()
     a, b = _losses(eager), _losses(compiled)
     assert len(a) == len(b) == 25
     assert max(abs(x - y) / x for x, y in zip(a, b)) < tol
@@ -100,15 +98,16 @@ def test_inductor_losses_equal_eager(shards, tmp_path, precision, tol, monkeypat
 
 
 @pytest.mark.slow
-def test_gpu_recipe_compiled_equals_eager_with_graphs_bounded(shards, tmp_path, monkeypatch):
-    """What a GPU run does by default (issue 37): compiled, shape buckets, fused projection + loss,
+def test_gpu_recipe_compiled_equals_eager_with_graphs_bounded(shards, tmp_path):
+    """What a GPU run does by default: compiled, shape buckets, fused projection + loss,
     bucketed validations. Losses equal eager's; the graphs are the first step's and the first
     validation's, however many bucket shapes follow (inductor: the generated code is what runs)."""
     torch._dynamo.reset()
-    monkeypatch.setattr(model.transformer, "CPU_DROPOUT", False)
-    eager = trainer(shards, tmp_path / "eager", "fp32", None, max_steps=40, eval_every=20, gpu_recipe=True).run()
+    eager = trainer(shards, tmp_path / "eager", "fp32", None, max_steps=40, eval_every=20, gpu_recipe=True,
+                    cpu_kernels=False).run()
     with torch._inductor.config.patch(fallback_random=True):
-        tr = trainer(shards, tmp_path / "compiled", "fp32", "inductor", max_steps=40, eval_every=20, gpu_recipe=True)
+        tr = trainer(shards, tmp_path / "compiled", "fp32", "inductor", max_steps=40, eval_every=20, gpu_recipe=True,
+                     cpu_kernels=False)
         at_step: list[int] = []
         inner = tr.compiler.inner
         tr.compiler.inner = lambda gm, inputs: at_step.append(tr.progress.step) or inner(gm, inputs)

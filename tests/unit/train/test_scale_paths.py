@@ -1,4 +1,4 @@
-"""Issue 9's hot-path properties: host-computed indices, no device sync on a plain step,
+"""The training hot path's properties at scale: host-computed indices, no device sync on a plain step,
 prefetch changes nothing, one shared corpus copy, lean checkpoints."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import model.transformer
-from model import ModelConfig, Transformer, make_optimizer
+from model import ModelConfig, NonPad, Transformer, make_optimizer
 from pipeline.train import batching
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.corpus import load_corpus, load_shared_corpus
@@ -54,8 +53,8 @@ def test_forward_with_host_indices_equals_forward_without():
                                     n_decoder_layers=1, dropout=0.0)).eval()
     b = _batch()
     mb = to_device(b, torch.device("cpu"))
-    plain = model(mb.src, mb.tgt_in, nonpad_only=True)
-    hosted = model(mb.src, mb.tgt_in, nonpad_only=True, src_index=mb.src_index, tgt_index=mb.tgt_index)
+    plain = model(mb.src, mb.tgt_in, NonPad())
+    hosted = model(mb.src, mb.tgt_in, NonPad(mb.src_index, mb.tgt_index))
     torch.testing.assert_close(hosted, plain, rtol=0, atol=0)
 
 
@@ -126,7 +125,7 @@ def test_checkpoint_stores_tied_weights_once_and_loads_them_tied(tmp_path):
     mc = ModelConfig(vocab_size=512, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1)
     model = Transformer(mc)
     opt = make_optimizer(model)
-    model(torch.tensor([[5, 6, 3]]), torch.tensor([[2, 5, 6]])).sum().backward()
+    model.logits(model(torch.tensor([[5, 6, 3]]), torch.tensor([[2, 5, 6]]))).sum().backward()
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     train_checkpoint.save(tmp_path, model=model, optimizer=opt, scheduler=sched, scaler=None,
@@ -157,14 +156,14 @@ def test_time_based_checkpoint_is_decided_on_log_steps_only(shards, tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_model_trains_like_eager(shards, tmp_path, monkeypatch):
+def test_compiled_model_trains_like_eager(shards, tmp_path):
     # aot_eager: TorchDynamo's graph capture and AOT autograd, without inductor's C++ codegen
     # (inductor works on this machine too, but its first compile takes ~90 s on 2 cores; the
     # GPU check, benchmarks/gpu_check.sh, runs inductor). A compiled model drops with PyTorch's
-    # dropout, so the eager reference does too (model.transformer.Dropout's CPU masks differ).
-    monkeypatch.setattr(model.transformer, "CPU_DROPOUT", False)
-    eager = train_worker(tiny_spec(shards, max_steps=3), LocalSession(tmp_path / "eager"))
-    compiled = train_worker(tiny_spec(shards, max_steps=3, compile=True, compile_backend="aot_eager"),
-                            LocalSession(tmp_path / "compiled"))
+    # dropout, so the eager reference does too (model.kernels.Dropout's CPU masks differ).
+    eager = Trainer(LoopSpec(**tiny_spec(shards, max_steps=3)), LocalSession(tmp_path / "eager"),
+                    cpu_kernels=False).run()
+    compiled = Trainer(LoopSpec(**tiny_spec(shards, max_steps=3, compile=True, compile_backend="aot_eager")),
+                       LocalSession(tmp_path / "compiled"), cpu_kernels=False).run()
     want, got = ([h[1] for h in r["history_train"]] for r in (eager, compiled))
     assert got == pytest.approx(want, rel=1e-5)

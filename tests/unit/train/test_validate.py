@@ -67,7 +67,7 @@ def direct(model: Transformer, mc: ModelConfig, pairs) -> dict[str, float]:
     for src, tgt in pairs:
         if len(src) + 1 > mc.max_positions or len(tgt) + 1 > mc.max_positions:
             continue
-        logits = model(torch.tensor([src + [mc.eos_id]]), torch.tensor([[mc.bos_id] + tgt]))[0]
+        logits = model.logits(model(torch.tensor([src + [mc.eos_id]]), torch.tensor([[mc.bos_id] + tgt])))[0]
         gold = torch.tensor(tgt + [mc.eos_id])
         loss += F.cross_entropy(logits.double(), gold, label_smoothing=EPS, reduction="sum").item()
         nll += F.cross_entropy(logits.double(), gold, reduction="sum").item()
@@ -95,7 +95,7 @@ def test_one_worker_equals_the_direct_computation(model_and_config, max_tokens):
 @pytest.mark.parametrize("gpu", [{"buckets": ShapeBuckets()}, {"fused": True}, {"buckets": ShapeBuckets(), "fused": True}],
                          ids=["buckets", "fused", "both"])
 def test_gpu_batches_and_loss_change_no_figure(model_and_config, monkeypatch, gpu):
-    """What a GPU worker validates with (issue 37): dev batches padded to the training steps' shape
+    """What a GPU worker validates with: dev batches padded to the training steps' shape
     buckets, and the fused projection + loss; still the direct computation's figures."""
     model, mc = model_and_config
     pairs = dev_pairs(seed=2)

@@ -2,21 +2,45 @@
 every layer and head, for one sentence pair, as the paper draws them (Figures 3-5).
 
 The model's forward pass never materializes these weights (it calls
-``F.scaled_dot_product_attention``, which returns only the weighted values). ``attention_weights``
-runs one teacher-forced forward pass of a sentence pair while each attention call also computes
-its weights from the same queries, keys, mask and scale it was given (`transformer.
-recording_attention`, thread-local); the pass's own outputs are unchanged. One sentence at a time, so no padding enters any row. Torch only.
+``F.scaled_dot_product_attention``, which returns only the weighted values). Every attention call
+of the model first hands its queries, keys, mask and scale to `observe`; within
+`recording_attention` (thread-local) they go to a callback. ``attention_weights`` runs one
+teacher-forced forward pass of a sentence pair with such a callback, which computes each call's
+weights; the pass's own outputs are unchanged. One sentence at a time, so no padding enters any
+row. Torch only.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+import threading
+from typing import Callable, Iterator, Sequence
 
 import torch
 
-from . import transformer as _tr
-
 KINDS = ("encoder_self", "decoder_self", "cross")
+
+_RECORDER = threading.local()  # this thread's `recording_attention` callback, if any
+
+
+@contextlib.contextmanager
+def recording_attention(record: Callable[..., None]) -> Iterator[None]:
+    """Within it, every attention call of this thread first calls record(q, k, attn_mask,
+    is_causal, scale). Thread-local: a server decoding other requests with the same model in
+    other threads is neither seen nor disturbed."""
+    _RECORDER.record = record
+    try:
+        yield
+    finally:
+        _RECORDER.record = None
+
+
+def observe(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+            scale: float | None) -> None:
+    """Called by the model's attention before it attends: passes the call to this thread's
+    `recording_attention` callback, if any (never while torch.compile traces)."""
+    if not torch.compiler.is_compiling() and getattr(_RECORDER, "record", None) is not None:
+        _RECORDER.record(q, k, attn_mask, is_causal, scale)
 
 
 def _weights(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
@@ -33,11 +57,12 @@ def _weights(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, i
 
 
 @torch.no_grad()
-def attention_weights(model: _tr.Transformer, src_ids: Sequence[int], tgt_in_ids: Sequence[int]
+def attention_weights(model: torch.nn.Module, src_ids: Sequence[int], tgt_in_ids: Sequence[int]
                       ) -> dict[str, torch.Tensor]:
-    """One pair: ``src_ids`` = pieces + [eos], ``tgt_in_ids`` = [bos] + pieces (e.g. the model's own
-    translation). Returns {"encoder_self": (L_enc, h, S, S), "decoder_self": (L_dec, h, T, T),
-    "cross": (L_dec, h, T, S)}: row i of a map is query position i's distribution over the keys.
+    """One pair through `model` (a `Transformer`): ``src_ids`` = pieces + [eos], ``tgt_in_ids`` =
+    [bos] + pieces (e.g. the model's own translation). Returns {"encoder_self": (L_enc, h, S, S),
+    "decoder_self": (L_dec, h, T, T), "cross": (L_dec, h, T, S)}: row i of a map is query position
+    i's distribution over the keys.
 
     The pass calls attention in a fixed order (every encoder layer's, then each decoder layer's
     self- and cross-attention), recorded for this thread only (`recording_attention`): a server
@@ -51,7 +76,7 @@ def attention_weights(model: _tr.Transformer, src_ids: Sequence[int], tgt_in_ids
     model.eval()
     device = next(model.parameters()).device
     try:
-        with _tr.recording_attention(record):
+        with recording_attention(record):
             model(torch.tensor([list(src_ids)], device=device), torch.tensor([list(tgt_in_ids)], device=device))
     finally:
         model.train(was_training)

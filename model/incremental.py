@@ -1,0 +1,195 @@
+"""Incremental decoding: the Transformer's decoder fed one token per row and step, with caches.
+
+A search (model/search.py) encodes once, then calls `decode_step` once per output position:
+each step attends over the cached keys and values of the earlier positions (O(step) per row)
+instead of running the decoder over the whole prefix again. Rows are sentence-major: row
+r = b * beam_size + j is beam j of sentence b.
+
+In eval mode with d_k = d_v a step runs `decoder_layer_step`, `DecoderLayer.forward` fused by hand
+on transposed weight copies made once per search (`LayerWeights`); it is tested equal to the
+module path (tests/unit/model/test_fused_step.py), which train mode and d_k != d_v run.
+`Transformer.init_decoder_state` / `decode_step` call `start` / `decode_step` here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .kernels import add_into
+from .padding import Positions, key_padding_to_attn_mask
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """What `decoder_layer_step` reads of a `DecoderLayer`: each Linear as (W.T contiguous
+    (d_in, d_out), bias), since for the few rows of a step addmm(b, x, W.T) beats F.linear's
+    x @ W.T on CPU; each LayerNorm as (weight, bias). Made once per search, not per step."""
+
+    n_heads: int
+    hs: int  # head width (= d_k = d_v)
+    eps: float  # the LayerNorms' epsilon
+    qkv: tuple[torch.Tensor, torch.Tensor]  # self-attention [W_Q; W_K; W_V]^T (d, 3d), bias
+    self_out: tuple[torch.Tensor, torch.Tensor]  # self-attention W_O^T (d, d), bias
+    cross_q: tuple[torch.Tensor, torch.Tensor]  # cross-attention W_Q^T (d, d), bias
+    cross_out: tuple[torch.Tensor, torch.Tensor]  # cross-attention W_O^T (d, d), bias
+    ffn1: tuple[torch.Tensor, torch.Tensor]  # W_1^T (d, d_ff), b_1
+    ffn2: tuple[torch.Tensor, torch.Tensor]  # W_2^T (d_ff, d), b_2
+    norm1: tuple[torch.Tensor, torch.Tensor]  # gain, bias
+    norm2: tuple[torch.Tensor, torch.Tensor]
+    norm3: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> "LayerWeights":
+        """The weights of `layer` (a `DecoderLayer`)."""
+        sa, ca, ffn = layer.self_attn, layer.cross_attn, layer.ffn
+
+        def linear(m: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+            return m.weight.t().contiguous(), m.bias
+
+        def norm(m: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+            return m.weight, m.bias
+
+        return cls(sa.n_heads, sa.heads.hs, layer.norm1.eps, linear(sa.qkv_proj), linear(sa.out_proj),
+                   linear(ca.q_proj), linear(ca.out_proj), linear(ffn.w1), linear(ffn.w2),
+                   norm(layer.norm1), norm(layer.norm2), norm(layer.norm3))
+
+
+def decoder_layer_step(w: LayerWeights, x: torch.Tensor, cross_kv: torch.Tensor, cross_mask: torch.Tensor,
+                       cache: torch.Tensor, step: int) -> torch.Tensor:
+    """`DecoderLayer.forward` for one new token per row in eval mode (no dropout), on x (N, d),
+    with the layer's `LayerWeights`; writes this step's K/V at `step` of cache (2, N, h, L, hs)."""
+    h, hs, eps = w.n_heads, w.hs, w.eps
+    N, d = x.shape
+    qkv = torch.addmm(w.qkv[1], x, w.qkv[0]).view(N, 3, h, hs)
+    cache[:, :, :, step] = qkv[:, 1:].transpose(0, 1)  # (2, N, h, hs)
+    y = F.scaled_dot_product_attention(qkv[:, 0, :, None], cache[0, :, :, : step + 1],
+                                       cache[1, :, :, : step + 1])  # (N, h, 1, hs)
+    x = torch.layer_norm(add_into(torch.addmm(w.self_out[1], y.reshape(N, h * hs), w.self_out[0]), x), (d,),
+                         *w.norm1, eps)
+    B = cross_kv.shape[1]  # a sentence's N // B beams are its queries (see CrossAttention)
+    q = torch.addmm(w.cross_q[1], x, w.cross_q[0]).view(B, N // B, h, hs).transpose(1, 2)  # (B, h, beam, hs)
+    y = F.scaled_dot_product_attention(q, cross_kv[0], cross_kv[1], attn_mask=cross_mask)
+    x = torch.layer_norm(add_into(torch.addmm(w.cross_out[1], y.transpose(1, 2).reshape(N, h * hs), w.cross_out[0]),
+                                  x), (d,), *w.norm2, eps)
+    y = torch.addmm(w.ffn2[1], torch.addmm(w.ffn1[1], x, w.ffn1[0]).relu_(), w.ffn2[0])
+    return torch.layer_norm(add_into(y, x), (d,), *w.norm3, eps)
+
+
+def _gather_cache(self_kv: torch.Tensor, indices: torch.Tensor, t: int, out: torch.Tensor) -> None:
+    """out's first t slots = self_kv's rows `indices` (dim 2) there."""
+    if t > 0 and self_kv.requires_grad:  # out= does not differentiate: gather and copy
+        out[:, :, :, :, :t] = self_kv[:, :, :, :, :t].index_select(2, indices)
+    elif t > 0:
+        torch.index_select(self_kv[:, :, :, :, :t], 2, indices, out=out[:, :, :, :, :t])
+
+
+@dataclass
+class DecoderState:
+    """Caches for incremental decoding (`decode_step`), updated in place.
+
+    The self-attention cache is preallocated for `max_len` fed tokens, so a step writes one slot
+    instead of concatenating; the cross-attention K/V are computed once and stored once per
+    sentence. It has both abilities `model.search.SearchState` declares: a shared first step
+    (`first_step_per_sentence`) and dropping finished sentences (`drops_sentences`).
+    """
+
+    self_kv: torch.Tensor  # (n_layers, 2, N, h, max_len, hs); slots < step are valid
+    cross_kv: torch.Tensor  # (n_layers, 2, B, h, S, hs), shared by a sentence's beams
+    cross_mask: torch.Tensor  # (B, 1, 1, S) bool, True = real source token
+    output_weight_t: torch.Tensor  # (d, V) contiguous copy of output_proj.weight.T: for the few
+    # rows of a decoding step, x @ W_t runs faster on CPU (MKL) than F.linear's x @ W.T
+    beam_size: int
+    step: int = 0  # tokens fed so far = position of the next token
+    spare_kv: torch.Tensor | None = None  # reorder's target buffer, swapped with self_kv
+    # per decoder layer, for the eval-mode fused step; None: decode_step runs the modules
+    layer_weights: list[LayerWeights] | None = None
+    first_step_per_sentence: ClassVar[bool] = True  # decode_step takes one row per sentence at step 0
+    drops_sentences: ClassVar[bool] = True  # reorder takes `sentences`
+
+    def reorder(self, indices: torch.Tensor, sentences: torch.Tensor | None = None) -> None:
+        """Row r takes the history of row indices[r] (beam search). indices (N,) long must keep
+        every row within its own sentence, i.e. indices[r] // beam_size == r // beam_size.
+        Gathers into a second buffer of self_kv's size (allocated on first use) and swaps the
+        two: one pass over the cache instead of a gather and a copy back.
+
+        With ``sentences`` (B',) long, increasing: only those sentences stay (beam search drops the
+        finished ones); indices (B' * beam_size,) then name rows of those sentences' blocks, in
+        their order, and every cache shrinks to B' sentences (new buffers; the spare one is
+        allocated again at the new size)."""
+        t = self.step
+        if sentences is not None:
+            kv = self.self_kv
+            self.self_kv = kv.new_empty(*kv.shape[:2], len(indices), *kv.shape[3:])
+            _gather_cache(kv, indices, t, self.self_kv)
+            self.cross_kv = self.cross_kv.index_select(2, sentences)
+            self.cross_mask = self.cross_mask.index_select(0, sentences)
+            self.spare_kv = None
+            return
+        if t > 0 and self.self_kv.requires_grad:  # out= does not differentiate: gather and copy back
+            self.self_kv[:, :, :, :, :t] = self.self_kv[:, :, :, :, :t].index_select(2, indices)
+        elif t > 0:
+            if self.spare_kv is None:
+                self.spare_kv = torch.empty_like(self.self_kv)
+            _gather_cache(self.self_kv, indices, t, self.spare_kv)
+            self.self_kv, self.spare_kv = self.spare_kv, self.self_kv
+
+
+def start(model: Any, memory: torch.Tensor, src_pad_mask: torch.Tensor, beam_size: int = 1,
+          max_len: int | None = None) -> DecoderState:
+    """The caches of `model`'s (a `Transformer`'s) decoder layers for memory (B, S, d), `beam_size`
+    rows per sentence, up to `max_len` fed tokens (bos included; default and maximum
+    `cfg.max_positions`)."""
+    cfg, layers = model.cfg, model.decoder_layers
+    max_len = cfg.max_positions if max_len is None else max_len
+    if not 0 < max_len <= cfg.max_positions:
+        raise ValueError(f"max_len={max_len} must be in [1, max_positions={cfg.max_positions}]")
+    B, S, d = memory.shape
+    h, heads = cfg.n_heads, layers[0].self_attn.heads
+    at = Positions(~src_pad_mask)  # K/V only at real source positions (0 at padding, masked)
+    memory = at.pack(memory)  # (Ms, d)
+    cross_kv = torch.stack([layer.cross_attn.project_kv(memory, at) for layer in layers])
+    self_kv = cross_kv.new_empty(len(layers), 2, B * beam_size, h, max_len, heads.hs)
+    output_weight_t = model.output_proj.weight.t().contiguous()
+    layer_weights = None
+    if not model.training and heads.uniform:  # the fused step assumes d_k = d_v
+        layer_weights = [LayerWeights.of(layer) for layer in layers]
+    return DecoderState(self_kv, cross_kv, key_padding_to_attn_mask(src_pad_mask), output_weight_t, beam_size,
+                        layer_weights=layer_weights)
+
+
+def decode_step(model: Any, prev_ids: torch.Tensor, state: DecoderState) -> torch.Tensor:
+    """Feed `model` (a `Transformer`) one token per row at position `state.step`: prev_ids (N,) ->
+    logits (N, V). Costs O(step) attention per row; advances `state.step`.
+
+    At step 0 prev_ids may also be (B,), one row per sentence (beam search's first step, where a
+    sentence's beams are all the same bos): the result is (B, V) and the cache of every beam of
+    sentence b is that of its row."""
+    t = state.step
+    if t >= state.self_kv.shape[4]:
+        raise ValueError(f"decoder state holds {state.self_kv.shape[4]} positions; step {t} is past it")
+    N, k = state.self_kv.shape[2], state.beam_size
+    shared = prev_ids.shape[0] != N
+    if shared and (t != 0 or prev_ids.shape[0] * k != N):
+        raise ValueError(f"prev_ids has {prev_ids.shape[0]} rows; the state has {N} (or {N // k} at step 0)")
+    x = model.embed(model.tgt_embed, prev_ids.view(-1, 1), offset=t)  # (N, 1, d) or (B, 1, d)
+    fused = state.layer_weights is not None and not model.training
+    if fused:
+        x = x[:, 0]  # (N, d)
+    for i, layer in enumerate(model.decoder_layers):
+        cache = state.self_kv[i][:, ::k] if shared else state.self_kv[i]  # beam 0 of each sentence
+        if fused:
+            x = decoder_layer_step(state.layer_weights[i], x, state.cross_kv[i], state.cross_mask, cache, t)
+        else:
+            x = layer(x, state.cross_kv[i], state.cross_mask, cache=cache, step=t)
+    if not fused:
+        x = x[:, 0]  # (N, d)
+    if shared and k > 1:  # beams 1..k-1 copy beam 0's slot 0
+        kv0 = state.self_kv[:, :, :, :, :1]
+        kv0.copy_(kv0[:, :, ::k].repeat_interleave(k, dim=2))
+    state.step = t + 1
+    return x @ state.output_weight_t  # (N, V), = model.logits(x) up to rounding
