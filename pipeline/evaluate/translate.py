@@ -20,7 +20,7 @@ instead of our beam search (``pipeline/decoding/ct2_backend.py``; the same batch
 bad-input handling).
 
 ``Translator`` and the batching are the shared library's (``pipeline.decoding.translator``,
-``pipeline.decoding.batching``); so is the CLI (``python -m pipeline.decoding.translate``).
+``pipeline.decoding.batching``); so is the CLI (``python -m pipeline.decoding.translate_cli``).
 """
 
 from __future__ import annotations
@@ -171,4 +171,5 @@ def _log_artifact(ctx: StageContext, uri: str) -> None:
 
 
 if __name__ == "__main__":  # the CLI moved to the shared library: say so rather than exit silently
-    raise SystemExit("the translate CLI is `python -m pipeline.decoding.translate` (pipeline/decoding/translate.py)")
+    raise SystemExit("the translate CLI is `python -m pipeline.decoding.translate_cli` "
+                     "(pipeline/decoding/translate_cli.py)")
