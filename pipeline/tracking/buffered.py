@@ -19,7 +19,7 @@ from pipeline.tracking.client import short_error
 from pipeline.tracking.loggers import DROPPED_TAG, RunLogger
 from pipeline.tracking.spool import MetricSpool, Point
 
-log = logging.getLogger("pipeline.tracking")  # one logger for the whole package
+log = logging.getLogger("pipeline.tracking")  # one logger name for the package: one switch for all its messages
 
 
 @dataclass(eq=False)  # compared by identity: the thread removes exactly the points it sent
