@@ -2,7 +2,7 @@
 when the server is away; what it still holds at the end goes to the run's `MetricSpool`.
 
 `MetricQueue` holds the points between the loop and that thread, and is the only state they
-share: each of its methods takes its lock; the calls to the server and to the spool's storage
+share: each of its public methods takes its lock; the calls to the server and to the spool's storage
 happen outside it."""
 
 from __future__ import annotations
