@@ -1,8 +1,8 @@
 """Token-bucket packing, the one definition: positions grouped by length under a padded-token cap.
 
-Used by translate's decoding batches (``translate.plan_batches``) and fit for validation's
-(``pipeline/train/batching.plan_eval_batches`` packs the same way). Pure Python on a list of
-lengths, so any phase can import it (the core imports no stage).
+Used by decoding's batches (``pipeline.decoding.batching.plan_batches``) and validation's
+(``plan_eval_batches`` in pipeline/train). Pure Python on a list of lengths, so any phase can
+import it (the core imports no stage).
 """
 
 from __future__ import annotations

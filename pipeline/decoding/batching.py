@@ -20,6 +20,7 @@ import torch
 from pipeline import storage
 from pipeline.packing import pack_by_length
 
+
 def prepare_sources(pieces: Iterable[Sequence[int]], max_len: int, eos_id: int
                     ) -> tuple[list[list[int] | None], list[bool]]:
     """Model inputs ``pieces + [eos]`` cut to ``max_len`` tokens (eos kept); None for an empty

@@ -11,7 +11,7 @@ Multi30k BLEU (e.g. fairseq Transformer-tiny, 41.02 on test_2016_flickr) is comp
 
 ``prepare`` applies it to every split (``pipeline/data/preprocess.py``); a model trained on such
 text reads only such text, so whatever translates a user's sentences with it (the translate CLI,
-Ray Serve, the registered pyfunc) applies it too (``TextFormat.source``) and gives back
+Ray Serve, the registered pyfunc) applies it too (``TextFormat.sources``) and gives back
 ``TextFormat.output``: the model's output Moses-detokenized (``&apos;`` -> ``'``, ``dog .`` ->
 ``dog.``), still lowercased (what the model learned). Pure: no Ray.
 """

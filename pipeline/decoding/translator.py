@@ -1,7 +1,7 @@
 """``Translator``: a model (our beam search or CTranslate2) loaded once, translating batches of ids.
 
 A Ray Data actor class (``map_batches(Translator, ...)``, the translate stage), the CLI's engine
-(``python -m pipeline.decoding.translate``), dev BLEU's and the Ray Serve replicas' alike.
+(``python -m pipeline.decoding.translate_cli``), dev BLEU's and the Ray Serve replicas' alike.
 ``backend = "ctranslate2"`` runs the ``export`` stage's CTranslate2 model instead of our beam
 search (``ct2_backend.py``; the same batches, order and bad-input handling).
 ``translate_lines``: plain-text lines -> hypotheses in the same order (the CLI's loop).

@@ -1,7 +1,7 @@
 """Heatmaps of what the averaged model attends to, for a few test sentences (``score``).
 
 For each chosen sentence, its source pieces and the model's own translation (the hypothesis
-``translate`` wrote, re-encoded) go through ``pipeline.decoding.attention.translation_attention``
+``translate`` wrote, re-encoded) go through ``pipeline.decoding.attention_maps.translation_attention``
 once (the Serve app's ``"attention": true`` calls it too), and two
 figures are drawn with the pieces as axis labels, one panel per layer (rows) and head (columns):
 - ``attention-<i>-cross.png``: decoder cross-attention (rows: target pieces, columns: source
@@ -62,7 +62,7 @@ def attention_figures(model_path: str, model_config: dict[str, Any], spm_path: s
     import sentencepiece as spm
 
     from pipeline import storage
-    from pipeline.decoding.attention import translation_attention
+    from pipeline.decoding.attention_maps import translation_attention
     from pipeline.decoding.translator import load_model
 
     sp = spm.SentencePieceProcessor(model_file=str(storage.local_copy(spm_path)))

@@ -20,7 +20,7 @@ instead of our beam search (``pipeline/decoding/ct2_backend.py``; the same batch
 bad-input handling).
 
 ``Translator`` and the batching are the shared library's (``pipeline.decoding.translator``,
-``pipeline.decoding.batching``); so is the CLI (``python -m pipeline.decoding.translate``).
+``pipeline.decoding.batching``); so is the CLI (``python -m pipeline.decoding.translate_cli``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _actor_resources(cfg: Any) -> tuple[dict[str, Any], str, int]:
     # Ray reserves run.data_num_cpus per actor (fewer than the node's CPUs, so Ray Data's read
     # tasks keep one: an actor pool holding every CPU deadlocks them), but the actors' torch
     # threads share out the whole node (eval.threads_per_worker, 0 = auto): decoding is the only
-    # heavy work while translate runs, and one thread per actor left most of a laptop idle.
+    # heavy work while translate runs, and one thread per actor would leave most of a laptop idle.
     threads = cfg.eval.threads_per_worker
     if threads <= 0:
         from pipeline.ray_env import node_cpus
@@ -170,5 +170,6 @@ def _log_artifact(ctx: StageContext, uri: str) -> None:
         log.warning("could not log %s to the tracker", uri, exc_info=True)
 
 
-if __name__ == "__main__":  # the CLI moved to the shared library: say so rather than exit silently
-    raise SystemExit("the translate CLI is `python -m pipeline.decoding.translate` (pipeline/decoding/translate.py)")
+if __name__ == "__main__":  # the CLI is the shared library's: say where rather than exit silently
+    raise SystemExit("the translate CLI is `python -m pipeline.decoding.translate_cli` "
+                     "(pipeline/decoding/translate_cli.py)")

@@ -209,8 +209,8 @@ class Translation:
                                      f'pieces (eos included; max_attention_pieces); "text"[0] has {len(pieces) + 1}')
 
     def _attention(self, pieces: list[int], hypothesis: str) -> Any:
-        """`pipeline.decoding.attention.translation_attention`: the function the score report draws with."""
-        from pipeline.decoding.attention import translation_attention
+        """`pipeline.decoding.attention_maps.translation_attention`: the function the score report draws with."""
+        from pipeline.decoding.attention_maps import translation_attention
         from pipeline.decoding.translator import load_model
 
         if self.attention_model is None:  # the torch backend's own model; CTranslate2's server loads ours once

@@ -14,7 +14,8 @@ The driver's calls wait at most ``tracking.timeout_s`` for a server (``TrackingU
 One job per module, imported in this order (each only from those before it):
 ``uri`` (which store; is the server up), ``client`` (a client whose calls give up in time),
 ``loggers`` (``RunLogger``), ``spool`` (``MetricSpool``, ``deliver_spool``), ``buffered``
-(``BufferedRunLogger``), ``runs`` (``Tracking``: the run lifecycle, ``end_dead_runs``).
+(``BufferedRunLogger`` and its ``MetricQueue``), ``runs`` (``Tracking``: the run lifecycle,
+``end_dead_runs``; ``WorkDirRuns``: this work dir's runs in the experiment).
 Imports the pipeline core (storage, config) only; MLflow is imported lazily, on first use.
 """
 

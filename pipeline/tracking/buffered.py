@@ -1,5 +1,9 @@
 """`BufferedRunLogger`: the training loop's metrics, delivered by one thread that does the waiting
-when the server is away; what it still holds at the end goes to the run's `MetricSpool`."""
+when the server is away; what it still holds at the end goes to the run's `MetricSpool`.
+
+`MetricQueue` holds the points between the loop and that thread, and is the only state they
+share: each of its public methods takes its lock; the calls to the server and to the spool's storage
+happen outside it."""
 
 from __future__ import annotations
 
@@ -8,18 +12,138 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 from pipeline.tracking.client import short_error
 from pipeline.tracking.loggers import DROPPED_TAG, RunLogger
-from pipeline.tracking.spool import MetricSpool
+from pipeline.tracking.spool import MetricSpool, Point
 
-log = logging.getLogger("pipeline.tracking")  # one logger for the package, as before the split
+log = logging.getLogger("pipeline.tracking")  # one logger name for the package: one switch for all its messages
+
+
+@dataclass(eq=False)  # compared by identity: the thread removes exactly the points it sent
+class QueuedPoint:
+    """One `log_metrics` call waiting to be delivered."""
+
+    time: float  # when it was logged (s since the epoch): MLflow's timestamp and its age for buffer_s
+    step: int | None
+    metrics: dict[str, float]
+
+    def point(self) -> Point:
+        """(time, step, metrics): as `RunLogger._send` and the spool take it."""
+        return self.time, self.step, self.metrics
+
+
+class MetricQueue:
+    """The points waiting for delivery, oldest first: those loaded from the run's spool, which the
+    limits never drop (they are on disk), then the logger's own, which are dropped oldest first
+    past `max_points` or once older than `buffer_s`. Also what the thread needs to know with them:
+    the drops (`dropped`, of which `dropped_tagged` are in the run's tag), the spool files whose
+    points it holds, and whether the logger is closing or has stopped waiting for the thread."""
+
+    def __init__(self, max_points: int, buffer_s: float):
+        self.max_points, self.buffer_s = max_points, buffer_s
+        self._cond = threading.Condition()
+        self._spooled: deque[QueuedPoint] = deque()
+        self._own: deque[QueuedPoint] = deque()
+        self._spool_files: list[str] = []  # removed once their points are delivered
+        self._closing = False  # no new points; the thread ends once the queue is empty
+        self._stopped = False  # close() gave up waiting: the thread ends at its next turn
+        self.dropped = 0
+        self.dropped_tagged = 0
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._spooled) + len(self._own)
+
+    def _points(self) -> Iterator[QueuedPoint]:
+        return itertools.chain(self._spooled, self._own)
+
+    def _empty(self) -> bool:
+        return not self._spooled and not self._own
+
+    def put(self, point: QueuedPoint) -> None:
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("BufferedRunLogger is closed")
+            self._own.append(point)
+            if len(self._own) > self.max_points:
+                self._drop(len(self._own) - self.max_points, f"more than {self.max_points} points waiting")
+            self._cond.notify()
+
+    def put_spooled(self, points: list[Point], files: list[str], dropped: int) -> None:
+        """The spool's `points` go ahead of the own ones; its `dropped` join the count to tag."""
+        with self._cond:
+            self._spooled.extend(QueuedPoint(t, step, m) for t, step, m in points)
+            self._spool_files = files
+            self.dropped += dropped
+
+    def next_batch(self, n: int) -> list[QueuedPoint] | None:
+        """The oldest `n` points, waiting until there are some (the own ones older than `buffer_s`
+        dropped first); None when the thread is done: closing with nothing left, or stopped."""
+        with self._cond:
+            while True:
+                while self._empty() and not self._closing:
+                    self._cond.wait()
+                if self._empty() or self._stopped:
+                    return None
+                cutoff = time.time() - self.buffer_s
+                aged = next((i for i, p in enumerate(self._own) if p.time >= cutoff), len(self._own))
+                if aged:
+                    self._drop(aged, f"older than tracking.buffer_s={self.buffer_s:g} s")
+                if not self._empty():
+                    return list(itertools.islice(self._points(), n))
+
+    def remove(self, sent: list[QueuedPoint]) -> list[str]:
+        """Forget the delivered `sent`; the spool files whose points are now all delivered. The sent
+        points still held lead each deque: a drop during the send took only the oldest own ones."""
+        done = set(sent)
+        with self._cond:
+            for points in (self._spooled, self._own):
+                while points and points[0] in done:
+                    points.popleft()
+            if self._spooled or self._stopped:
+                return []
+            files, self._spool_files = self._spool_files, []
+            return files
+
+    def untagged_drops(self) -> int:
+        with self._cond:
+            return self.dropped - self.dropped_tagged
+
+    def tagged(self, n: int) -> None:
+        with self._cond:
+            self.dropped_tagged += n
+
+    def wait_to_retry(self, retry_s: float) -> None:
+        """Wait `retry_s`, at most 1 s once closing (close() waits for the thread's next try)."""
+        with self._cond:
+            self._cond.wait(min(retry_s, 1.0) if self._closing else retry_s)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+
+    def stop(self) -> tuple[list[Point], int, list[str]]:
+        """End the thread at its next turn; what is left: the points, the drops not in the tag, the
+        loaded spool files (their points are among those left)."""
+        with self._cond:
+            self._stopped = True
+            return [p.point() for p in self._points()], self.dropped - self.dropped_tagged, list(self._spool_files)
+
+    def _drop(self, n: int, why: str) -> None:
+        """Drop the `n` oldest own points (the caller holds the lock)."""
+        for _ in range(n):
+            self._own.popleft()
+        self.dropped += n
+        log.warning("tracking: dropped the %d oldest metric point(s) (%s; %d dropped in all)", n, why, self.dropped)
 
 
 class BufferedRunLogger(RunLogger):
-    """`log_metrics` returns at once: the points wait in a queue that one thread delivers, in
-    logging order, in batches; the waiting for a server that is away happens there.
+    """`log_metrics` returns at once: the points wait in a `MetricQueue` that one thread delivers,
+    in logging order, in batches; the waiting for a server that is away happens there.
 
     The thread sends with MLflow's client (its HTTP retries: MLFLOW_HTTP_REQUEST_MAX_RETRIES,
     ..._BACKOFF_FACTOR), and when those run out it keeps the batch at the head of the queue and
@@ -28,7 +152,8 @@ class BufferedRunLogger(RunLogger):
     the count is added to the run's tag `tracking/dropped_points` once the server answers again. A
     point is sent at most once per (key, step): after a failed call the thread re-reads what the
     run holds (a lost answer to a stored batch is not stored twice). Not thread-safe for several
-    loggers of one run in one process (the loop has one, on rank 0).
+    loggers of one run in one process (the loop has one, on rank 0), nor for calls from several
+    threads (the loop's thread logs and closes).
 
     With `spool_dir`, nothing is lost when training ends during an outage: `close` writes what is
     still queued to a `MetricSpool` there, and the next logger of the run (a restarted worker)
@@ -42,92 +167,77 @@ class BufferedRunLogger(RunLogger):
                  spool_dir: str | None = None):
         super().__init__(tracking_uri, run_id)
         self.buffer_s, self.retry_s, self.max_points, self.batch_points = buffer_s, retry_s, max_points, batch_points
-        # seq, time, step, metrics; points loaded from the spool lead, with seq < 0
-        self._queue: deque[tuple[int, float, int | None, dict[str, float]]] = deque()
-        self._seq = 0
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closing = False
-        self._stopped = False  # close() gave up waiting: the thread stops at its next turn
-        self.dropped = 0
-        self._dropped_tagged = 0
-        self._down_since: float | None = None
         self.spool = MetricSpool(spool_dir, run_id) if spool_dir and run_id else None
-        self._spool_loaded = False
-        self._spool_files: list[str] = []  # loaded into the queue; removed once their points are delivered
-        self._spooled_queued = 0  # the queue's leading points that came from the spool
         self.spooled = 0  # points written to the spool by close()
+        self._queue = MetricQueue(max_points, buffer_s)
+        self._thread: threading.Thread | None = None  # started by the first point
+        # The thread's own: its MlflowClient (made on its first send), when the server stopped answering.
+        self._sender: Any = None
+        self._down_since: float | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("BufferedRunLogger holds a thread: make one per process (pickle a RunLogger)")
 
+    @property
+    def dropped(self) -> int:
+        """Points dropped by the buffer's limits: this logger's, and those counted in its spool."""
+        return self._queue.dropped
+
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if not self.run_id or not metrics:
             return
-        with self._cond:
-            if self._closing:
-                raise RuntimeError("BufferedRunLogger is closed")
-            self._seq += 1
-            self._queue.append((self._seq, time.time(), step, dict(metrics)))
-            waiting = len(self._queue) - self._spooled_queued
-            if waiting > self.max_points:
-                self._drop(waiting - self.max_points, f"more than {self.max_points} points waiting")
-            self._cond.notify()
+        self._queue.put(QueuedPoint(time.time(), step, dict(metrics)))
         if self._thread is None:
             self._thread = threading.Thread(target=self._deliver, name="mlflow-metrics", daemon=True)
             self._thread.start()
 
     def pending(self) -> int:
-        with self._cond:
-            return len(self._queue)
+        return len(self._queue)
 
     def close(self, timeout_s: float = 60.0) -> bool:
         """Deliver what is queued, waiting at most `timeout_s`; True when nothing is left. What is
         left goes to the spool (when there is one), else it is lost (a warning says which)."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
+        self._queue.close()
         if self._thread is not None:
             self._thread.join(timeout_s)
-        with self._cond:
-            self._stopped = True  # a thread still trying stops at its next turn
-            left = [p[1:] for p in self._queue]
-            undelivered_drops = self.dropped - self._dropped_tagged
-            old_files = list(self._spool_files)
-        if not left and not undelivered_drops:
+        left, untagged, loaded_files = self._queue.stop()  # a thread still trying ends at its next turn
+        if not left and not untagged:
             return True
-        if self.spool is not None:
-            try:
-                uri = self.spool.write(left, undelivered_drops, self.tracking_uri)
-                MetricSpool.remove(old_files)  # their points are in the new file
-            except Exception as e:  # noqa: BLE001 (the spool's storage failed too)
-                log.warning("tracking: %d metric point(s) not delivered to MLflow server %s and not spooled in "
-                            "%s (%s); they are lost", len(left), self.tracking_uri, self.spool.dir, short_error(e))
-                return False
-            self.spooled = len(left)
-            log.warning("tracking: %d metric point(s) not delivered to MLflow server %s (still away after %.0f s "
-                        "at the end of training); spooled in %s: the driver delivers them when the server is "
-                        "back", len(left), self.tracking_uri, timeout_s, uri)
+        if self.spool is None:
+            if left:
+                log.warning("tracking: %d metric point(s) not delivered to MLflow server %s (still away after "
+                            "%.0f s at the end of training); they are lost", len(left), self.tracking_uri, timeout_s)
             return not left
-        if left:
-            log.warning("tracking: %d metric point(s) not delivered to MLflow server %s (still away after "
-                        "%.0f s at the end of training); they are lost", len(left), self.tracking_uri, timeout_s)
+        return self._respool(left, untagged, loaded_files, timeout_s)
+
+    def _respool(self, left: list[Point], untagged: int, loaded_files: list[str], timeout_s: float) -> bool:
+        """Spool `left` and the `untagged` drops in one new file, which replaces `loaded_files`."""
+        try:
+            uri = self.spool.write(left, untagged, self.tracking_uri)
+            MetricSpool.remove(loaded_files)  # their points are in the new file
+        except Exception as e:  # noqa: BLE001 (the spool's storage failed too)
+            log.warning("tracking: %d metric point(s) not delivered to MLflow server %s and not spooled in "
+                        "%s (%s); they are lost", len(left), self.tracking_uri, self.spool.dir, short_error(e))
+            return False
+        self.spooled = len(left)
+        log.warning("tracking: %d metric point(s) not delivered to MLflow server %s (still away after %.0f s "
+                    "at the end of training); spooled in %s: the driver delivers them when the server is "
+                    "back", len(left), self.tracking_uri, timeout_s, uri)
         return not left
 
-    def _drop(self, n: int, why: str) -> None:
-        """Drop the `n` oldest points the buffer holds (the caller holds the lock); the spooled
-        points that lead the queue stay."""
-        for _ in range(n):
-            if self._spooled_queued:
-                del self._queue[self._spooled_queued]
+    # --- the delivery thread ----------------------------------------------------------------------
+
+    def _deliver(self) -> None:
+        """The thread: the spool's points first, then batches, until closed with nothing left."""
+        self._load_spool()
+        while (points := self._queue.next_batch(self.batch_points)) is not None:
+            if self._send_batch(points):
+                self._delivered(points)
             else:
-                self._queue.popleft()
-        self.dropped += n
-        log.warning("tracking: dropped the %d oldest metric point(s) (%s; %d dropped in all)", n, why, self.dropped)
+                self._queue.wait_to_retry(self.retry_s)
 
     def _load_spool(self) -> None:
-        """Queue the run's spooled points ahead of this logger's own (the thread, once)."""
-        self._spool_loaded = True
+        """Queue the run's spooled points ahead of this logger's own."""
         if self.spool is None:
             return
         try:
@@ -136,78 +246,44 @@ class BufferedRunLogger(RunLogger):
             log.warning("tracking: could not read the metric spool %s (%s); the driver delivers it later",
                         self.spool.dir, short_error(e))
             return
-        if not files:
-            return
-        with self._cond:
-            for i, (t, step, m) in enumerate(reversed(points)):
-                self._queue.appendleft((-1 - i, t, step, m))
-            self._spooled_queued = len(points)
-            self._spool_files = files
-            self.dropped += dropped
-        log.info("tracking: %d metric point(s) spooled by an earlier worker of run %s go first", len(points),
-                 self.run_id)
+        if files:
+            self._queue.put_spooled(points, files, dropped)
+            log.info("tracking: %d metric point(s) spooled by an earlier worker of run %s go first", len(points),
+                     self.run_id)
 
-    def _deliver(self) -> None:
-        client = None
-        while True:
-            if not self._spool_loaded:
-                self._load_spool()
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait()
-                if not self._queue or self._stopped:
-                    return
-                cutoff = time.time() - self.buffer_s
-                s = self._spooled_queued
-                old = next((i for i, p in enumerate(itertools.islice(self._queue, s, None)) if p[1] >= cutoff),
-                           len(self._queue) - s)
-                if old:
-                    self._drop(old, f"older than tracking.buffer_s={self.buffer_s:g} s")
-                if not self._queue:
-                    continue
-                points = list(itertools.islice(self._queue, self.batch_points))
-            try:
-                if client is None:
-                    from mlflow import MlflowClient
-
-                    client = MlflowClient(self.tracking_uri)
-                self._send(client, [p[1:] for p in points])
-                if self.dropped > self._dropped_tagged:
-                    n = self.dropped
-                    self._add_dropped(client, n - self._dropped_tagged)
-                    self._dropped_tagged = n
-            except Exception as e:  # noqa: BLE001 (any store error: keep the points, try again)
-                self._on_failure(e)
-                with self._cond:
-                    if not self._closing:
-                        self._cond.wait(self.retry_s)
-                    else:
-                        self._cond.wait(min(self.retry_s, 1.0))
-                continue
-            with self._cond:
-                while self._queue and self._queue[0][0] <= points[-1][0]:
-                    if self._queue.popleft()[0] < 0:
-                        self._spooled_queued -= 1
-                done_files = self._spool_files if not self._spooled_queued and not self._stopped else []
-                if done_files:
-                    self._spool_files = []
-            if done_files:
-                self._remove_spooled(done_files)
-            if self._down_since is not None:
-                log.warning("tracking: MLflow server %s answers again after %.0f s; delivering the buffered "
-                            "metrics (%d point(s) still queued)", self.tracking_uri,
-                            time.time() - self._down_since, self.pending())
-                self._down_since = None
-
-    def _remove_spooled(self, files: list[str]) -> None:
+    def _send_batch(self, points: list[QueuedPoint]) -> bool:
+        """Send `points`, then add the drops not yet counted to the run's tag; False when the
+        server did not take them (they stay queued)."""
         try:
-            MetricSpool.remove(files)
-        except Exception as e:  # noqa: BLE001 (left on disk: a later delivery skips what the run holds)
-            log.warning("tracking: could not remove the delivered metric spool files %s (%s)", files, short_error(e))
+            if self._sender is None:
+                from mlflow import MlflowClient
 
-    def _on_failure(self, e: Exception) -> None:
-        if self._down_since is None:
-            self._down_since = time.time()
-            log.warning("tracking: MLflow server %s did not take metrics (%s); training goes on, the metrics "
-                        "wait (up to tracking.buffer_s=%g s) and are sent when it is back", self.tracking_uri,
-                        short_error(e), self.buffer_s)
+                self._sender = MlflowClient(self.tracking_uri)
+            self._send(self._sender, [p.point() for p in points])
+            untagged = self._queue.untagged_drops()
+            if untagged > 0:
+                self._add_dropped(self._sender, untagged)
+                self._queue.tagged(untagged)
+        except Exception as e:  # noqa: BLE001 (any store error: keep the points, try again)
+            if self._down_since is None:
+                self._down_since = time.time()
+                log.warning("tracking: MLflow server %s did not take metrics (%s); training goes on, the "
+                            "metrics wait (up to tracking.buffer_s=%g s) and are sent when it is back",
+                            self.tracking_uri, short_error(e), self.buffer_s)
+            return False
+        return True
+
+    def _delivered(self, points: list[QueuedPoint]) -> None:
+        """Forget the sent `points`; remove the spool files whose points are now all delivered."""
+        done_files = self._queue.remove(points)
+        if done_files:
+            try:
+                MetricSpool.remove(done_files)
+            except Exception as e:  # noqa: BLE001 (left on disk: a later delivery skips what the run holds)
+                log.warning("tracking: could not remove the delivered metric spool files %s (%s)", done_files,
+                            short_error(e))
+        if self._down_since is not None:
+            log.warning("tracking: MLflow server %s answers again after %.0f s; delivering the buffered "
+                        "metrics (%d point(s) still queued)", self.tracking_uri,
+                        time.time() - self._down_since, self.pending())
+            self._down_since = None

@@ -1,5 +1,6 @@
-"""The workflow's MLflow session (`Tracking`): the experiment, the parent run per invocation, one run
-per (stage, cache key), continued after a crash; `end_dead_runs` ends a dead driver's runs."""
+"""The workflow's MLflow session (`Tracking`): the parent run per invocation, one run per (stage,
+cache key), continued after a crash; `end_dead_runs` ends a dead driver's runs. `WorkDirRuns` finds
+this work dir's runs in the experiment (and makes the experiment)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pipeline.tracking.loggers import RunLogger
 from pipeline.tracking.spool import deliver_spool, spool_dir_for, spooled_run_ids
 from pipeline.tracking.uri import artifact_location_for, check_reachable, tracking_uri_for
 
-log = logging.getLogger("pipeline.tracking")  # one logger for the package, as before the split
+log = logging.getLogger("pipeline.tracking")  # one logger name for the package: one switch for all its messages
 
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
@@ -33,6 +34,57 @@ def git_commit() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
+
+
+class WorkDirRuns:
+    """This work dir's runs in the config's experiment (created on first use), read and made
+    through clients whose calls give up after ``tracking.timeout_s``."""
+
+    def __init__(self, cfg: Config, uri: str | None):
+        self.cfg, self.uri, self.timeout_s = cfg, uri, cfg.tracking.timeout_s
+        self.work_dir = storage.absolute(cfg.run.work_dir)
+        self._experiment_id: str | None = None
+
+    def client(self) -> BoundedClient:
+        return BoundedClient(self.uri, self.timeout_s)
+
+    def experiment_id(self) -> str:
+        if self._experiment_id is not None:
+            return self._experiment_id
+        client = self.client()
+        exp = client.get_experiment_by_name(self.cfg.tracking.experiment)
+        if exp is None:
+            # MLflow 3's UI opens an experiment without this tag in its GenAI view (traces); this
+            # one is model training: runs, params, metric charts (value from MLflow 3.17's UI code).
+            self._experiment_id = client.create_experiment(
+                self.cfg.tracking.experiment, artifact_location=artifact_location_for(self.cfg, self.uri),
+                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        else:
+            self._experiment_id = exp.experiment_id
+        return self._experiment_id
+
+    def search(self, filter_string: str) -> list[Any]:
+        """This work dir's runs matching `filter_string`, newest first (the work dir is compared
+        here, not in the filter: a path may hold quotes)."""
+        runs = self.client().search_runs(
+            [self.experiment_id()], filter_string, max_results=1000, order_by=["attributes.start_time DESC"])
+        return [r for r in runs if r.data.tags.get("work_dir") == self.work_dir]
+
+    def previous_stage_run(self, stage: str, key: str) -> Any | None:
+        """The newest run that did (or tried to do) this stage's work at this key, if any."""
+        runs = self.search(f"tags.stage = '{stage}' and tags.cache_key = '{key}' and tags.cached = 'false'")
+        return runs[0] if runs else None
+
+
+@contextmanager
+def _terminated_after(client: BoundedClient, run_id: str) -> Iterator[None]:
+    """End the run when the block ends: FINISHED, or FAILED when it raised."""
+    status = "FAILED"
+    try:
+        yield
+        status = "FINISHED"
+    finally:
+        client.set_terminated(run_id, status=status)
 
 
 class Tracking:
@@ -53,36 +105,10 @@ class Tracking:
         self.enabled = cfg.tracking.enabled
         self.uri = tracking_uri_for(cfg) if self.enabled else None
         self.cfg = cfg
-        self.work_dir = storage.absolute(cfg.run.work_dir)
+        self.timeout_s = cfg.tracking.timeout_s
+        self.runs = WorkDirRuns(cfg, self.uri)
         self.driver = f"{socket.gethostname()} pid {os.getpid()}"
         self.parent: RunLogger = RunLogger(None, None)
-        self._experiment_id: str | None = None
-        self.timeout_s = cfg.tracking.timeout_s
-
-    def _client(self) -> BoundedClient:
-        return BoundedClient(self.uri, self.timeout_s)
-
-    def _experiment(self) -> str:
-        if self._experiment_id is not None:
-            return self._experiment_id
-        client = self._client()
-        exp = client.get_experiment_by_name(self.cfg.tracking.experiment)
-        if exp is None:
-            # MLflow 3's UI opens an experiment without this tag in its GenAI view (traces); this
-            # one is model training: runs, params, metric charts (value from MLflow 3.17's UI code).
-            self._experiment_id = client.create_experiment(
-                self.cfg.tracking.experiment, artifact_location=artifact_location_for(self.cfg, self.uri),
-                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
-        else:
-            self._experiment_id = exp.experiment_id
-        return self._experiment_id
-
-    def _runs(self, filter_string: str) -> list[Any]:
-        """This work dir's runs matching `filter_string`, newest first (the work dir is compared
-        here, not in the filter: a path may hold quotes)."""
-        runs = self._client().search_runs(
-            [self._experiment()], filter_string, max_results=1000, order_by=["attributes.start_time DESC"])
-        return [r for r in runs if r.data.tags.get("work_dir") == self.work_dir]
 
     def end_dead_runs(self) -> list[str]:
         """End the RUNNING runs of this work dir as KILLED, with an `end_reason` tag; their ids.
@@ -93,9 +119,9 @@ class Tracking:
         if not self.enabled:
             return []
         check_reachable(self.uri)
-        client = self._client()
+        client = self.runs.client()
         ended = []
-        for run in self._runs("attributes.status = 'RUNNING'"):
+        for run in self.runs.search("attributes.status = 'RUNNING'"):
             owner = run.data.tags.get("driver", "an unknown driver")
             reason = (f"its driver ({owner}) died without ending it; found RUNNING at "
                       f"{time.strftime('%Y-%m-%dT%H:%M:%S')} by {self.driver}, which holds the work-dir lock")
@@ -123,7 +149,7 @@ class Tracking:
         total = 0
         for run_id in run_ids:
             try:
-                status = self._client().get_run(run_id).info.status
+                status = self.runs.client().get_run(run_id).info.status
             except Exception as e:  # noqa: BLE001 (a run of another store, deleted, or the server is away)
                 log.warning("tracking: spooled metrics of run %s stay in %s (%s)", run_id, root, short_error(e))
                 continue
@@ -132,7 +158,7 @@ class Tracking:
         return total
 
     def _base_tags(self) -> dict[str, str]:
-        return {"git_commit": git_commit(), "work_dir": self.work_dir, "driver": self.driver, **self.tags}
+        return {"git_commit": git_commit(), "work_dir": self.runs.work_dir, "driver": self.driver, **self.tags}
 
     @contextmanager
     def parent_run(self, tags: dict[str, str], run_name: str | None = None,
@@ -145,24 +171,15 @@ class Tracking:
             yield self.parent
             return
         check_reachable(self.uri)
-        client = self._client()
+        client = self.runs.client()
         nested = {"mlflow.parentRunId": nested_in} if nested_in else {}
-        run = client.create_run(self._experiment(), run_name=run_name or self.cfg.run.name,
+        run = client.create_run(self.runs.experiment_id(), run_name=run_name or self.cfg.run.name,
                                 tags={**self._base_tags(), **nested, **tags})
         self.parent = RunLogger(self.uri, run.info.run_id, self.timeout_s)
         self.parent.log_params(self.cfg.to_dict())
         self.parent.log_text(_toml_like(self.cfg.to_dict()), "config/resolved.toml")
-        status = "FAILED"
-        try:
+        with _terminated_after(client, run.info.run_id):
             yield self.parent
-            status = "FINISHED"
-        finally:
-            client.set_terminated(run.info.run_id, status=status)
-
-    def _previous_run(self, stage: str, key: str) -> Any | None:
-        """The newest run that did (or tried to do) this stage's work at this key, if any."""
-        runs = self._runs(f"tags.stage = '{stage}' and tags.cache_key = '{key}' and tags.cached = 'false'")
-        return runs[0] if runs else None
 
     @contextmanager
     def stage_run(self, stage: str, key: str, cached: bool, params: dict[str, Any],
@@ -172,38 +189,43 @@ class Tracking:
         if not self.enabled or not self.parent.run_id:
             yield RunLogger(None, None)
             return
-        client = self._client()
-        previous = self._previous_run(stage, key)
+        client = self.runs.client()
+        previous = self.runs.previous_stage_run(stage, key)
         tags = {"mlflow.parentRunId": self.parent.run_id, "stage": stage, "cache_key": key,
                 "cached": str(cached).lower(), **self._base_tags()}
+        if cached and previous is not None:
+            tags["source_run_id"] = previous.info.run_id
         if not cached and not fresh and previous is not None and previous.info.status in ("KILLED", "FAILED"):
-            run_id = previous.info.run_id
-            attempt = int(previous.data.tags.get("attempts", "1")) + 1
-            client.update_run(run_id, status="RUNNING")
-            for k, v in {**tags, "attempts": str(attempt), "continued_from_status": previous.info.status,
-                         f"parent_run.{attempt}": self.parent.run_id}.items():
-                client.set_tag(run_id, k, v)
-            log.info("tracking: stage %s continues MLflow run %s (attempt %d; it ended %s)", stage, run_id,
-                     attempt, previous.info.status)
-            logger = RunLogger(self.uri, run_id, self.timeout_s)
+            logger = self._continue_run(client, previous, stage, tags)
         else:
-            if cached and previous is not None:
-                tags["source_run_id"] = previous.info.run_id
-            if not cached:
-                tags.update({"attempts": "1", "parent_run.1": self.parent.run_id})
-            name = f"{self.label}: {stage}" if self.label else stage
-            run = client.create_run(self._experiment(), run_name=f"{name}{' (cached)' if cached else ''}",
-                                    tags=tags)
-            logger = RunLogger(self.uri, run.info.run_id, self.timeout_s)
-            logger.log_params(params)
+            logger = self._new_stage_run(client, stage, cached, tags, params)
         self.parent.set_tags({f"cache_key.{stage}": key,
                               f"stage_run.{stage}": tags.get("source_run_id", logger.run_id)})
-        status = "FAILED"
-        try:
+        with _terminated_after(client, logger.run_id):
             yield logger
-            status = "FINISHED"
-        finally:
-            client.set_terminated(logger.run_id, status=status)
+
+    def _continue_run(self, client: BoundedClient, previous: Any, stage: str, tags: dict[str, str]) -> RunLogger:
+        """`previous` (ended KILLED or FAILED) running again as this invocation's, its attempt counted."""
+        run_id = previous.info.run_id
+        attempt = int(previous.data.tags.get("attempts", "1")) + 1
+        client.update_run(run_id, status="RUNNING")
+        for k, v in {**tags, "attempts": str(attempt), "continued_from_status": previous.info.status,
+                     f"parent_run.{attempt}": self.parent.run_id}.items():
+            client.set_tag(run_id, k, v)
+        log.info("tracking: stage %s continues MLflow run %s (attempt %d; it ended %s)", stage, run_id,
+                 attempt, previous.info.status)
+        return RunLogger(self.uri, run_id, self.timeout_s)
+
+    def _new_stage_run(self, client: BoundedClient, stage: str, cached: bool, tags: dict[str, str],
+                       params: dict[str, Any]) -> RunLogger:
+        if not cached:
+            tags = {**tags, "attempts": "1", "parent_run.1": self.parent.run_id}
+        name = f"{self.label}: {stage}" if self.label else stage
+        run = client.create_run(self.runs.experiment_id(), run_name=f"{name}{' (cached)' if cached else ''}",
+                                tags=tags)
+        logger = RunLogger(self.uri, run.info.run_id, self.timeout_s)
+        logger.log_params(params)
+        return logger
 
 
 def _toml_like(d: dict[str, Any]) -> str:

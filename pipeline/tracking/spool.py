@@ -15,7 +15,7 @@ from pipeline.config import Config
 from pipeline.tracking.client import short_error
 from pipeline.tracking.loggers import RunLogger
 
-log = logging.getLogger("pipeline.tracking")  # one logger for the package, as before the split
+log = logging.getLogger("pipeline.tracking")  # one logger name for the package: one switch for all its messages
 
 SPOOL_FOLDER = "tracking_spool"
 Point = tuple[float, "int | None", dict[str, float]]  # (time, step, metrics), as logged

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.packing import pack_by_length
 from pipeline.train.shapes import ShapeBuckets
 
 
@@ -139,23 +140,13 @@ def split_step(group: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, num_
 
 def plan_eval_batches(rows: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray,
                       max_tokens_per_batch: int) -> list[np.ndarray]:
-    """Validation batches: rows by length, greedily packed under the cap; no shuffling.
+    """Validation batches: rows by padded length, packed under the cap by
+    ``pipeline.packing.pack_by_length`` (as decoding's batches are); no shuffling.
 
     A pair longer than the cap gets a batch of its own (validation never drops a pair).
     """
     plen = padded_len(src_len[rows], tgt_len[rows])
-    order = np.argsort(plen, kind="stable")
-    rows, plen = rows[order], plen[order]
-    batches: list[np.ndarray] = []
-    start = 0
-    for i in range(len(rows)):
-        # lengths ascend, so the batch's max is plen[i]
-        if i > start and plen[i] * (i - start + 1) > max_tokens_per_batch:
-            batches.append(rows[start:i])
-            start = i
-    if start < len(rows):
-        batches.append(rows[start:])
-    return batches
+    return [rows[np.asarray(b)] for b in pack_by_length(plen.tolist(), max_tokens_per_batch)]
 
 
 @dataclass(frozen=True)

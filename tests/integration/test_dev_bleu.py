@@ -92,7 +92,7 @@ def test_dev_bleu_is_logged_while_training_and_matches_the_translate_cli(work, m
     for step in sorted(bleu)[:2]:
         checkpoint = Path(train.outputs["storage_path"]) / train.key / f"checkpoint_{step:07d}"
         hyps = subprocess.run(
-            [sys.executable, "-m", "pipeline.decoding.translate", "--model-dir", str(checkpoint), "--spm", spm,
+            [sys.executable, "-m", "pipeline.decoding.translate_cli", "--model-dir", str(checkpoint), "--spm", spm,
              "--beam", "1", "--alpha", str(cfg.eval.alpha), "--max-len-a", str(cfg.eval.max_len_a),
              "--max-len-b", str(cfg.eval.max_len_b), "--device", "cpu"],
             input=src.read_text(encoding="utf-8"), capture_output=True, text=True, check=True, cwd=REPO).stdout

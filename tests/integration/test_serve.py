@@ -249,11 +249,11 @@ def test_an_overloaded_replica_answers_503_with_retry_after(server, tiny_model, 
 
 
 def test_attention_is_the_score_stages_function_and_rows_sum_to_one(server, tiny_model, wmt14_dir):
-    """`"attention": true` returns what `pipeline.decoding.attention.translation_attention` (the
+    """`"attention": true` returns what `pipeline.decoding.attention_maps.translation_attention` (the
     score report's heatmaps) gives for the same model, sentence and translation, exactly."""
     import sentencepiece as spm
 
-    from pipeline.decoding.attention import translation_attention
+    from pipeline.decoding.attention_maps import translation_attention
     from pipeline.decoding.translator import load_model
 
     sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[5]

@@ -149,7 +149,7 @@ def test_two_workers_give_the_one_worker_hypotheses_in_source_order(assets, tmp_
 def test_cli_translates_stdin_line_by_line(assets):
     lines = [assets["src"][0], "", assets["src"][9], assets["src"][1]]
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.decoding.translate", "--model-dir", str(assets["model_dir"]),
+        [sys.executable, "-m", "pipeline.decoding.translate_cli", "--model-dir", str(assets["model_dir"]),
          "--spm", assets["spm"], "--beam", "2", "--max-len-b", str(MAX_LEN_B), "--device", "cpu"],
         input="\n".join(lines) + "\n", capture_output=True, text=True, cwd=REPO, timeout=120, check=True)
     out = proc.stdout.split("\n")[:-1]

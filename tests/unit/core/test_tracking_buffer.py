@@ -220,3 +220,21 @@ def test_a_spool_copied_twice_is_still_delivered_once(store, tmp_path):
     store.up = True
     assert deliver_spool(str(tmp_path), "fake", run_id) == 8
     assert store.metric_steps(run_id, "train/loss") == [1, 2, 3, 4]
+
+
+def test_a_sent_batch_leaves_the_queue_even_when_a_drop_took_some_of_it_during_the_send():
+    """The thread sends a batch outside the lock; `log_metrics` may drop its oldest own points
+    meanwhile. What is removed afterwards is the rest of that batch, nothing after it."""
+    now = time.time()  # the points are fresh: buffer_s drops none of them
+    q = buffered.MetricQueue(max_points=2, buffer_s=60.0)
+    q.put_spooled([(now, 0, {"x": 0.0})], ["spooled.jsonl"], dropped=0)
+    a, b, c = (buffered.QueuedPoint(now + s, s, {"x": float(s)}) for s in (1, 2, 3))
+    q.put(a)
+    q.put(b)
+    sent = q.next_batch(3)
+    assert [p.step for p in sent] == [0, 1, 2]
+    q.put(c)  # three own points for room for two: a, in the batch being sent, is dropped
+    assert q.dropped == 1
+    assert q.remove(sent) == ["spooled.jsonl"], "every spooled point is delivered: its file can go"
+    left, untagged, files = q.stop()
+    assert left == [(now + 3, 3, {"x": 3.0})] and untagged == 1 and files == []

@@ -162,3 +162,18 @@ def test_rounding_never_widens_past_the_models_positions():
     assert (b.src.reshape(-1)[b.src_index[7:]] == 0).all() and (b.target[7:] == 0).all()
     longer = batching.collate(np.array([0]), values, offsets, values, offsets, 0, 2, 3, row_multiple=64, max_width=4)
     assert longer.src.shape == (1, 7) and len(longer.src_index) == 7  # never narrower than the sentence
+
+
+@pytest.mark.parametrize("rows, src, tgt, cap, expected", [
+    # padded lengths 4, 2, 6, 4, 3 -> by length rows 1, 4, 0, 3, 2; 3 x 4 > 8 cuts after row 4,
+    # 3 x 6 > 8 after row 3
+    ([0, 1, 2, 3, 4], [3, 1, 5, 1, 2], [2, 1, 4, 3, 2], 8, [[1, 4], [0, 3], [2]]),
+    # row 0 (10 padded tokens) is over the cap of 5: a batch of its own, nothing dropped
+    ([0, 1, 2], [9, 1, 1], [1, 1, 1], 5, [[1, 2], [0]]),
+    # rows 7, 2, 5 of 8 pairs, padded 5, 5, 4: equal lengths keep their order in `rows`
+    ([7, 2, 5], [0, 0, 4, 0, 0, 1, 0, 4], [0, 0, 2, 0, 0, 3, 0, 4], 10, [[5, 7], [2]]),
+    ([], [1], [1], 8, []),
+])
+def test_plan_eval_batches_match_hand_packed_batches(rows, src, tgt, cap, expected):
+    batches = batching.plan_eval_batches(np.array(rows, dtype=np.int64), np.array(src), np.array(tgt), cap)
+    assert [b.tolist() for b in batches] == expected

@@ -2,8 +2,8 @@
 function behind the score report's heatmaps (``pipeline.evaluate.attention_plots``), the Serve
 app's ``"attention": true`` and its page, so all three show the same numbers.
 
-A teacher-forced pass over (source, the model's own hypothesis) through
-``model.attention_weights.attention_weights``: every layer's and head's softmax(Q K^T / sqrt(d_k)) (§3.2.1)
+A teacher-forced pass over (source, the model's own hypothesis) through ``model``'s
+``attention_weights``: every layer's and head's softmax(Q K^T / sqrt(d_k)) (§3.2.1)
 of the encoder's self-attention, the decoder's masked self-attention and its cross-attention.
 """
 

@@ -1,4 +1,4 @@
-"""The translate CLI (no Ray): ``python -m pipeline.decoding.translate --config configs/local.toml < input.en``
+"""The translate CLI (no Ray): ``python -m pipeline.decoding.translate_cli --config configs/local.toml < input.en``
 (or ``--model models:/...``, or ``--model-dir DIR --spm spm.model``: ``pipeline.models.find_model``).
 Reads English sentences from stdin, one per line, and writes one translation per line to stdout.
 """
