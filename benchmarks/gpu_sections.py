@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from model import ModelConfig, Transformer, beam_search, make_optimizer, make_scheduler
-from pipeline.train import batching
+from pipeline.train import token_batches
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.loop import Trainer
 from pipeline.train.feeder import HostBatcher
-from pipeline.train.flops import OpCounter
+from pipeline.plan.flops import OpCounter
 from pipeline.train.metrics import Window
 from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, to_device
 
@@ -127,7 +127,7 @@ def fit_probe(pr: Any, mc: ModelConfig) -> Callable[[int], bool]:
         offsets = np.arange(rows + 1, dtype=np.int64) * L
         values = rng.integers(4, mc.vocab_size, size=rows * L).astype(np.int32)
         try:
-            b = batching.collate(np.arange(rows), values, offsets, values, offsets, mc.pad_id, mc.bos_id, mc.eos_id)
+            b = token_batches.collate(np.arange(rows), values, offsets, values, offsets, mc.pad_id, mc.bos_id, mc.eos_id)
             mb = to_device(b, device)
             accumulate_gradients(model, [mb], b.num_tgt_tokens, 1, 0.1, mc.pad_id, autocast)
             optimizer_step(model, opt, sched, None, 0.0, want_norm=False)

@@ -119,7 +119,7 @@ def child(args: argparse.Namespace) -> None:
 
     from model import ModelConfig
     from pipeline.config import Config
-    from pipeline.train import batching
+    from pipeline.plan import step_groups
     from pipeline.train import loop
 
     torch.set_num_threads(1)
@@ -141,7 +141,7 @@ def child(args: argparse.Namespace) -> None:
 
     loop.accumulate_gradients = timed("model", loop.accumulate_gradients)
     loop.optimizer_step = timed("model", loop.optimizer_step)
-    batching.plan_epoch = timed("plan", batching.plan_epoch)
+    step_groups.plan_epoch = timed("plan", step_groups.plan_epoch)
     loop.Trainer._checkpoint = timed("checkpoint", loop.Trainer._checkpoint)
     corpus_pss: dict[str, float] = {}
     loader_name = "load_shared_corpus" if hasattr(loop, "load_shared_corpus") else "load_corpus"

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
-from pipeline.train import batching
+from pipeline.plan import step_groups
+from pipeline.train import token_batches
 from pipeline.config import Config
 from pipeline.train.corpus import load_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
@@ -85,15 +86,15 @@ def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device
     multiple = multiple or row_multiple(resolve_precision(cfg.train.precision, device), device)
     d = load_corpus(spec["train_dir"])
     t = cfg.train
-    rows = np.flatnonzero(batching.keep_mask(d.src_len, d.tgt_len, t.max_len))
+    rows = np.flatnonzero(step_groups.keep_mask(d.src_len, d.tgt_len, t.max_len))
     steps, epoch = [], 0
     while len(steps) < t.max_steps:
-        for group in batching.plan_epoch(rows, d.src_len, d.tgt_len, t.tokens_per_step, t.seed, epoch):
-            split = batching.split_step(group, d.src_len, d.tgt_len, 1, t.max_tokens_per_batch)
-            mbs = [to_device(batching.collate(r, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
+        for group in step_groups.plan_epoch(rows, d.src_len, d.tgt_len, t.tokens_per_step, t.seed, epoch):
+            split = step_groups.split_step(group, d.src_len, d.tgt_len, 1, t.max_tokens_per_batch)
+            mbs = [to_device(token_batches.collate(r, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
                                               mc.pad_id, mc.bos_id, mc.eos_id, multiple, mc.max_positions), device)
                    for r in split.for_worker(0)]
-            steps.append((mbs, int(batching.target_tokens(d.tgt_len[group]).sum())))
+            steps.append((mbs, int(step_groups.target_tokens(d.tgt_len[group]).sum())))
             if len(steps) == t.max_steps:
                 break
         epoch += 1
@@ -193,7 +194,7 @@ def ray_main(args) -> None:
     import os
 
     from pipeline.ray_env import start_local_ray
-    from pipeline.train.stage import fit
+    from pipeline.train.driver import fit
 
     cpus = os.cpu_count() or 1
     logging.basicConfig(level=logging.WARNING)

@@ -1,7 +1,7 @@
 """Token-bucket packing, the one definition: positions grouped by length under a padded-token cap.
 
 Used by translate's decoding batches (``translate.plan_batches``) and fit for validation's
-(``pipeline/train/batching.plan_eval_batches`` packs the same way). Pure Python on a list of
+(``pipeline/plan/step_groups.plan_eval_batches`` packs the same way). Pure Python on a list of
 lengths, so any phase can import it (the core imports no stage).
 """
 

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from model import ModelConfig
-from pipeline.train import batching
+from pipeline.plan import step_groups
+from pipeline.train import token_batches
 from pipeline.train.corpus import Corpus
-from pipeline.train.shapes import ShapeBuckets
+from pipeline.plan.shapes import ShapeBuckets
 from pipeline.train.step import MicroBatch, pin
 
 HostBatches = tuple[list[MicroBatch], int, int]  # micro-batches, step target tokens, step source tokens
@@ -25,11 +26,11 @@ HostBatches = tuple[list[MicroBatch], int, int]  # micro-batches, step target to
 
 class StepPlan:
     """The pairs training keeps (at most `max_len` pieces a side) and each epoch's step groups
-    (`batching.plan_epoch`: they depend on the data, `tokens_per_step`, the seed and the epoch)."""
+    (`step_groups.plan_epoch`: they depend on the data, `tokens_per_step`, the seed and the epoch)."""
 
     def __init__(self, data: Corpus, max_len: int, tokens_per_step: int, seed: int):
         self.data, self.tokens_per_step, self.seed = data, tokens_per_step, seed
-        keep = batching.keep_mask(data.src_len, data.tgt_len, max_len)
+        keep = step_groups.keep_mask(data.src_len, data.tgt_len, max_len)
         self.rows = np.flatnonzero(keep).astype(np.int32 if len(keep) < 2**31 else np.int64)
         self.num_dropped = int(len(keep) - len(self.rows))
         self._epoch, self._groups = -1, []
@@ -38,7 +39,7 @@ class StepPlan:
         """The step groups of `epoch`, in training order (the last epoch's are kept)."""
         if epoch != self._epoch:
             d = self.data
-            self._groups = batching.plan_epoch(self.rows, d.src_len, d.tgt_len, self.tokens_per_step, self.seed, epoch)
+            self._groups = step_groups.plan_epoch(self.rows, d.src_len, d.tgt_len, self.tokens_per_step, self.seed, epoch)
             self._epoch = epoch
         return self._groups
 
@@ -49,13 +50,13 @@ class StepPlan:
                 groups[index + 1] if index + 1 < len(groups) else None)
 
     def accum(self, group: np.ndarray, world: int, max_tokens_per_batch: int) -> int:
-        """The micro-batches per worker of `group` on `world` workers (`batching.split_step`)."""
-        return batching.split_step(group, self.data.src_len, self.data.tgt_len, world, max_tokens_per_batch).accum
+        """The micro-batches per worker of `group` on `world` workers (`step_groups.split_step`)."""
+        return step_groups.split_step(group, self.data.src_len, self.data.tgt_len, world, max_tokens_per_batch).accum
 
 
 class HostBatcher:
     """This worker's micro-batches of one step (`rank` of `world`), under `max_tokens` padded tokens
-    each; `row_multiple`, `buckets`: see `batching.collate` (`precision.row_multiple`,
+    each; `row_multiple`, `buckets`: see `token_batches.collate` (`precision.row_multiple`,
     `train.shape_buckets`). `shapes` collects the shapes handed out (the loop logs their count)."""
 
     def __init__(self, data: Corpus, mcfg: ModelConfig, rank: int, world: int, max_tokens: int,
@@ -66,14 +67,14 @@ class HostBatcher:
 
     def __call__(self, group: np.ndarray) -> HostBatches:
         d, m = self.data, self.mcfg
-        step_tgt = int(batching.target_tokens(d.tgt_len[group]).sum())
+        step_tgt = int(step_groups.target_tokens(d.tgt_len[group]).sum())
         step_src = int(d.src_len[group].sum()) + len(group)
-        split = batching.split_step(group, d.src_len, d.tgt_len, self.world, self.max_tokens)
+        split = step_groups.split_step(group, d.src_len, d.tgt_len, self.world, self.max_tokens)
         micro = []
         for rows in split.for_worker(self.rank):
             weight = 1.0 if len(rows) else 0.0  # no rows left for this worker: a zero-weight stand-in
             rows = rows if len(rows) else group[:1]
-            b = batching.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
+            b = token_batches.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
                                  m.pad_id, m.bos_id, m.eos_id, self.row_multiple, m.max_positions, self.buckets)
             self.shapes.add(b.src.shape + b.tgt_in.shape + (len(b.src_index), len(b.tgt_index)))
             micro.append(pin(b, self.device, weight))

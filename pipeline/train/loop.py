@@ -1,6 +1,6 @@
 """The per-worker training loop: the paper's recipe (§5) on token-bucketed steps.
 
-Runs inside each Ray Train worker (`pipeline.train.stage` gives it a `RaySession`) or in-process
+Runs inside each Ray Train worker (`pipeline.train.driver` gives it a `RaySession`) or in-process
 for tests and benchmarks (`LocalSession`); it imports neither Ray nor MLflow.
 
 One optimizer step = one step group of ~`train.tokens_per_step` target tokens
@@ -45,7 +45,7 @@ from pipeline.train.corpus import load_corpus, load_shared_corpus
 from pipeline.train.early_stop import LoopStop
 from pipeline.train.feeder import Feeder, HostBatcher, HostBatches, StepPlan
 from pipeline.train.metrics import TrainLog, Window
-from pipeline.train.shapes import ShapeBuckets
+from pipeline.plan.shapes import ShapeBuckets
 from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
 from pipeline.train.precision import resolve_precision, row_multiple
 from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, step_seed, upload

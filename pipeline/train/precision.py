@@ -72,7 +72,7 @@ def resolve_precision(requested: str, device: torch.device) -> str:
 
 
 def row_multiple(precision: str, device: torch.device) -> int:
-    """What a training micro-batch's computed positions are rounded up to (`batching.collate`):
+    """What a training micro-batch's computed positions are rounded up to (`token_batches.collate`):
     64 for bf16 on a CPU, else 1. oneDNN builds (JIT-compiles) a bf16 GEMM kernel per shape and
     keeps ~1024 of them; token-bucketed batches have new shapes every step, so unrounded, local
     mode's real batches spent the bf16 gain building kernels (0.95x fp32; 1.17x rounded to 64,

@@ -9,7 +9,7 @@ whatever the split into micro-batches and workers: each worker back-propagates
 `loss_sum(micro) * world_size / N` (DDP averages gradients over workers, i.e. divides by
 world_size) and skips DDP's all-reduce on all but its last micro-batch (`no_sync`). N, the
 step's target-token count, is known to every worker from the global batch plan
-(`pipeline.train.batching`), so no all-reduce of the token count is needed.
+(`pipeline.plan.step_groups`), so no all-reduce of the token count is needed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import label_smoothed_nll, linear_label_smoothed_nll
-from pipeline.train import batching
+from pipeline.train import token_batches
 
 
 def step_seed(seed: int, rank: int, step: int) -> int:
@@ -42,7 +42,7 @@ class MicroBatch:
     target: torch.Tensor | None = None  # (M,) tgt_out at those positions
 
 
-def pin(batch: batching.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:
+def pin(batch: token_batches.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:
     """Host side of `to_device`: torch tensors over the batch's arrays, in pinned memory for a GPU
     (so the copy can be asynchronous). Safe to run in a background thread (prefetch)."""
     def t(x: np.ndarray | None) -> torch.Tensor | None:
@@ -66,7 +66,7 @@ def upload(mb: MicroBatch, device: torch.device) -> MicroBatch:
                       t(mb.target))
 
 
-def to_device(batch: batching.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:
+def to_device(batch: token_batches.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:
     return upload(pin(batch, device, weight), device)
 
 

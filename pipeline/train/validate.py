@@ -20,10 +20,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig
-from pipeline.train import batching
+from pipeline.plan import step_groups
+from pipeline.train import token_batches
 from pipeline.train.corpus import Corpus
 from pipeline.train.metrics import all_reduce_sum
-from pipeline.train.shapes import ShapeBuckets
+from pipeline.plan.shapes import ShapeBuckets
 from pipeline.train.step import micro_batch_loss, to_device
 
 
@@ -40,7 +41,7 @@ class Validator:
         self.buckets, self.fused_output = buckets, fused_output
         d, limit = data, mcfg.max_positions
         rows = np.flatnonzero((d.src_len + 1 <= limit) & (d.tgt_len + 1 <= limit))
-        self.batches = batching.plan_eval_batches(rows, d.src_len, d.tgt_len, max_tokens)
+        self.batches = step_groups.plan_eval_batches(rows, d.src_len, d.tgt_len, max_tokens)
 
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> dict[str, float] | None:
@@ -49,7 +50,7 @@ class Validator:
         inner.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         for rows in self.batches[self.rank::self.world]:
-            b = batching.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
+            b = token_batches.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
                                  m.pad_id, m.bos_id, m.eos_id, max_width=m.max_positions, buckets=self.buckets)
             # Real positions only, found on the host (as in training): no `nonzero` in the model,
             # which would break a compiled model's graph into pieces specialized per batch.

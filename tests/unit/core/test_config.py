@@ -151,7 +151,7 @@ def test_model_section_is_model_sizes_and_none_is_keyed_as_zero():
 
     from model import ModelConfig, ModelSizes
     from pipeline.config import ModelSection
-    from pipeline.train.size import model_config_for
+    from pipeline.models import model_config_for
 
     assert [f.name for f in dataclasses.fields(ModelSection)] == [f.name for f in dataclasses.fields(ModelSizes)]
     cfg = load_config(None, ["--model.d_k=16"])

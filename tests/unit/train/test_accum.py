@@ -14,7 +14,8 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, Transformer, label_smoothed_nll
-from pipeline.train import batching
+from pipeline.plan import step_groups
+from pipeline.train import token_batches
 from pipeline.train.step import MicroBatch, accumulate_gradients, to_device
 
 MC = ModelConfig(vocab_size=50, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
@@ -32,7 +33,7 @@ def fixed_rows(n: int = 16, seed: int = 0):
 
 
 def micro(data, rows) -> MicroBatch:
-    b = batching.collate(np.asarray(rows), *data, pad_id=0, bos_id=2, eos_id=3)
+    b = token_batches.collate(np.asarray(rows), *data, pad_id=0, bos_id=2, eos_id=3)
     return to_device(b, torch.device("cpu"))
 
 
@@ -49,7 +50,7 @@ def reference_grads(data, rows, n_tokens):
 def test_four_micro_batches_equal_one_big_batch():
     data = fixed_rows()
     rows = np.arange(16)
-    n_tokens = int(batching.target_tokens(np.diff(data[3])[rows]).sum())
+    n_tokens = int(step_groups.target_tokens(np.diff(data[3])[rows]).sum())
     want = reference_grads(data, rows, n_tokens)
     torch.manual_seed(0)
     model = Transformer(MC)
@@ -63,7 +64,7 @@ def test_four_micro_batches_equal_one_big_batch():
 def test_a_zero_weight_stand_in_adds_nothing():
     data = fixed_rows()
     rows = np.arange(8)
-    n_tokens = int(batching.target_tokens(np.diff(data[3])[rows]).sum())
+    n_tokens = int(step_groups.target_tokens(np.diff(data[3])[rows]).sum())
     want = reference_grads(data, rows, n_tokens)
     torch.manual_seed(0)
     model = Transformer(MC)
@@ -81,9 +82,9 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         data = fixed_rows()
         rows = np.arange(16)
-        n_tokens = int(batching.target_tokens(np.diff(data[3])[rows]).sum())
+        n_tokens = int(step_groups.target_tokens(np.diff(data[3])[rows]).sum())
         chunks = [rows[i:i + 4] for i in range(0, 16, 4)]
-        mine = chunks[rank::world]  # chunk j -> worker j % world, as batching.split_step assigns
+        mine = chunks[rank::world]  # chunk j -> worker j % world, as step_groups.split_step assigns
         torch.manual_seed(0)
         model = DDP(Transformer(MC))
         accumulate_gradients(model, [micro(data, c) for c in mine], n_tokens, world_size=world,
@@ -102,7 +103,7 @@ def test_two_ddp_workers_times_two_micro_batches_equal_one_big_batch(tmp_path):
     mp.spawn(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     data = fixed_rows()
     rows = np.arange(16)
-    want = reference_grads(data, rows, int(batching.target_tokens(np.diff(data[3])[rows]).sum()))
+    want = reference_grads(data, rows, int(step_groups.target_tokens(np.diff(data[3])[rows]).sum()))
     for rank in range(2):
         got = torch.load(tmp_path / f"grads_{rank}.pt", weights_only=True)
         for name, g in want.items():

@@ -1,4 +1,4 @@
-"""The train stage's bill (pipeline/train/bill.py, pipeline/train/flops.py): torch's FLOP counter
+"""The train stage's bill (pipeline/plan/bill.py, pipeline/plan/flops.py): torch's FLOP counter
 on the real model against matmul and attention FLOPs by formula for a tiny model; the printed
 hours against the formula from the bill's own printed inputs; the MFU from a gpu_check JSON;
 --plan's bill from a cached encode stage; the same figures as the train run's MLflow params."""
@@ -15,11 +15,11 @@ import pytest
 from model import ModelConfig
 from pipeline.config import ConfigError, load_config
 from pipeline.stage import Manifest
-from pipeline.train import bill
-from pipeline.train import flops
-from pipeline.train.flops import MicroShape, count_step_flops, six_n_t, step_flops
+from pipeline.plan import bill
+from pipeline.plan import flops
+from pipeline.plan.flops import MicroShape, count_step_flops, six_n_t, step_flops
 from pipeline.train.corpus import load_lengths
-from pipeline.train.stage import _log_bill
+from pipeline.train.driver import _log_bill
 from tests.support.synthetic import write_reverse_task
 from workflows.runner import format_bill, make_plan
 
@@ -165,7 +165,7 @@ def test_plan_bills_with_the_cached_encode_stage_and_the_run_logs_it(tmp_path):
     ctx = SimpleNamespace(cfg=cfg, tracker=SimpleNamespace(log_params=logged.update))
     mc = ModelConfig(vocab_size=64, d_model=32, d_ff=64, n_heads=2)
     _log_bill(ctx, mc, load_lengths(str(train_dir)))
-    b = bill.for_train_dir(cfg, mc, str(train_dir))
+    b = bill.for_lengths(cfg, mc, load_lengths(str(train_dir)))
     assert logged["bill/hours"] == f"{b.hours:.4g}" and logged["bill/num_gpus"] == 2
     assert logged["bill/mfu_source"].startswith("an ASSUMPTION")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.config import Config, ConfigError
-from pipeline.train import batching, precision
+from pipeline.train import token_batches, precision
 from pipeline.train.loop import LocalSession, train_worker
 from pipeline.train.precision import describe, resolve_precision
 from tests.support.synthetic import write_reverse_task
@@ -71,8 +71,8 @@ def test_probes_agree_with_the_kernels_cpu_flags():
 def test_a_bf16_cpu_run_is_autocast_and_tracks_fp32(tmp_path, monkeypatch):
     _cpu(monkeypatch, True, False)  # as on a bf16 CPU (emulated elsewhere: slower, same numbers)
     multiples: list[int] = []  # what the loop asks collate for: rows rounded to 64 in bf16 only
-    collate = batching.collate
-    monkeypatch.setattr(batching, "collate", lambda *a, **kw: multiples.append(a[8] if len(a) > 8 else
+    collate = token_batches.collate
+    monkeypatch.setattr(token_batches, "collate", lambda *a, **kw: multiples.append(a[8] if len(a) > 8 else
                                                                                 kw.get("row_multiple", 1))
                         or collate(*a, **kw))
     shards = (write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0),

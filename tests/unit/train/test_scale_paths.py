@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import model.transformer
 from model import ModelConfig, Transformer, make_optimizer
-from pipeline.train import batching
+from pipeline.train import token_batches
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.corpus import load_corpus, load_shared_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer, train_worker
@@ -31,12 +31,12 @@ def shards(tmp_path_factory) -> tuple[Path, Path]:
             write_reverse_task(root / "dev", 40, VOCAB, seed=1))
 
 
-def _batch(rows=(0, 5, 7, 11)) -> batching.Batch:
+def _batch(rows=(0, 5, 7, 11)) -> token_batches.Batch:
     rng = np.random.default_rng(0)
     lens = rng.integers(1, 9, size=12)
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     values = rng.integers(4, 50, size=int(offsets[-1])).astype(np.int32)
-    return batching.collate(np.asarray(rows), values, offsets, values[::-1].copy(), offsets, PAD, BOS, EOS)
+    return token_batches.collate(np.asarray(rows), values, offsets, values[::-1].copy(), offsets, PAD, BOS, EOS)
 
 
 def test_collate_indices_equal_what_the_device_would_compute():

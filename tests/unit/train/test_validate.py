@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from model import ModelConfig, Transformer
 from pipeline.train import validate
 from pipeline.train.corpus import Corpus
-from pipeline.train.shapes import ShapeBuckets
+from pipeline.plan.shapes import ShapeBuckets
 from pipeline.train.validate import Validator
 
 EPS = 0.1

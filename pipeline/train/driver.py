@@ -28,22 +28,23 @@ import numpy as np
 import torch
 
 from model import ModelConfig
-from pipeline.ray_env import ensure_ray, node_cpus, worker_logging
 from pipeline import storage
-from pipeline.decoding.selection import kept_shortfall
-from pipeline.train import batching, dev_bleu
-from pipeline.train import checkpoint as train_checkpoint
-from pipeline.train import elastic, preemption
 from pipeline.config import Config
+from pipeline.config.devices import use_gpus
+from pipeline.decoding.selection import kept_shortfall
+from pipeline.models import model_config_for
+from pipeline.plan import step_groups
+from pipeline.plan.step_groups import worker_range
+from pipeline.ray_env import ensure_ray, node_cpus, worker_logging
 from pipeline.stage import StageContext, StageResult
+from pipeline.tracking import deliver_spool, spool_dir_for
+from pipeline.train import checkpoint as train_checkpoint
+from pipeline.train import dev_bleu_validation, elastic, preemption
 from pipeline.train.corpus import id_range, load_lengths, shard_files
 from pipeline.train.loop import LoopSpec, train_worker
-from pipeline.config.devices import use_gpus
 from pipeline.train.precision import describe as describe_precision
-from pipeline.train.session import SESSION_WRAPPER_ENV, RaySession
 from pipeline.train.resume import storage_path_for
-from pipeline.train.size import model_config_for
-from pipeline.tracking import deliver_spool, spool_dir_for
+from pipeline.train.session import SESSION_WRAPPER_ENV, RaySession
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str,
     src_len, tgt_len = lengths
     if len(src_len) == 0:
         raise TrainInputError(f"train: the training split {train_dir} is empty (0 pairs)")
-    keep = batching.keep_mask(src_len, tgt_len, tc.max_len)
+    keep = step_groups.keep_mask(src_len, tgt_len, tc.max_len)
     num_kept = int(keep.sum())
     if num_kept == 0:
         raise TrainInputError(f"train: all {len(src_len)} training pairs are longer than "
@@ -80,24 +81,24 @@ def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str,
     if tc.max_len + 1 > mc.max_positions:
         raise TrainInputError(f"train.max_len={tc.max_len} (+1 special token) exceeds "
                               f"model.max_positions={mc.max_positions}")
-    longest_tgt = int(batching.target_tokens(tgt_len[keep]).max())
+    longest_tgt = int(step_groups.target_tokens(tgt_len[keep]).max())
     if tc.tokens_per_step < longest_tgt:
         raise TrainInputError(f"train.tokens_per_step={tc.tokens_per_step} is smaller than one training pair "
                               f"({longest_tgt} target tokens with eos): a step must hold at least a sentence")
-    longest_padded = int(batching.padded_len(src_len[keep], tgt_len[keep]).max())
+    longest_padded = int(step_groups.padded_len(src_len[keep], tgt_len[keep]).max())
     if tc.max_tokens_per_batch < longest_padded:
         raise TrainInputError(f"train.max_tokens_per_batch={tc.max_tokens_per_batch} is smaller than the longest "
                               f"kept pair ({longest_padded} padded tokens): raise it or lower train.max_len")
     rows = np.flatnonzero(keep)
-    plan = batching.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
+    plan = step_groups.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
     # With a range, the smallest group: the most micro-batches per worker (workers split each step
     # by the world size they have at each (re)start, never by this number).
-    workers = elastic.worker_range(cfg)[0]
-    accum = [batching.split_step(g, src_len, tgt_len, workers, tc.max_tokens_per_batch).accum
+    workers = worker_range(cfg)[0]
+    accum = [step_groups.split_step(g, src_len, tgt_len, workers, tc.max_tokens_per_batch).accum
              for g in plan[:50]]
     stats = {"num_pairs": len(src_len), "num_kept": num_kept, "num_dropped_too_long": len(src_len) - num_kept,
              "steps_per_epoch": len(plan), "mean_tgt_tokens_per_step":
-             float(np.mean([batching.target_tokens(tgt_len[g]).sum() for g in plan])),
+             float(np.mean([step_groups.target_tokens(tgt_len[g]).sum() for g in plan])),
              "mean_pairs_per_step": float(np.mean([len(g) for g in plan])), "accum_mean": float(np.mean(accum)),
              "accum_max": int(max(accum))}
     log.info("train: %d pairs, %d kept, %d dropped as longer than train.max_len=%d pieces", len(src_len),
@@ -106,9 +107,9 @@ def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str,
              "%.1f micro-batch(es) on average (max %d) under %d padded tokens each", len(plan),
              stats["mean_tgt_tokens_per_step"], stats["mean_pairs_per_step"], workers,
              stats["accum_mean"], stats["accum_max"], tc.max_tokens_per_batch)
-    if stats["mean_pairs_per_step"] < elastic.worker_range(cfg)[1]:
+    if stats["mean_pairs_per_step"] < worker_range(cfg)[1]:
         log.warning("train: fewer pairs per step (%.1f) than workers (%d): some workers idle each step",
-                    stats["mean_pairs_per_step"], elastic.worker_range(cfg)[1])
+                    stats["mean_pairs_per_step"], worker_range(cfg)[1])
     return stats
 
 
@@ -172,15 +173,15 @@ def cpus_per_worker(cfg: Config, use_gpu: bool) -> int:
         return 1
     per_node = node_cpus()
     # Left free for the dev BLEU task (eval.dev_bleu_resources), which would else wait for the end.
-    spare = dev_bleu.reserved_cpus(cfg)
+    spare = dev_bleu_validation.reserved_cpus(cfg)
     total, largest = sum(per_node) - spare, max(per_node, default=1) - spare
     # A range: shared out over the most workers, so that the largest group fits.
-    return max(1, int(min(total // elastic.worker_range(cfg)[1], largest)))
+    return max(1, int(min(total // worker_range(cfg)[1], largest)))
 
 
 def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str, validation: Any = None) -> Any:
     """Run (or resume) the Ray Train run `run_name`; the `Result`. `validation`: a Ray Train
-    ``ValidationConfig`` (dev BLEU per checkpoint, pipeline/train/dev_bleu.py) or None."""
+    ``ValidationConfig`` (dev BLEU per checkpoint, pipeline/train/dev_bleu_validation.py) or None."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -244,7 +245,7 @@ def run(ctx: StageContext) -> StageResult:
     storage_path = storage_path_for(cfg)
     run_dir = storage.join(storage_path, ctx.key)
     vocab = ctx.inputs["vocab"].outputs
-    validation = dev_bleu.validation_config(cfg, dev_dir=dev_dir, vocab=vocab, run_dir=run_dir,
+    validation = dev_bleu_validation.validation_config(cfg, dev_dir=dev_dir, vocab=vocab, run_dir=run_dir,
                                             tracking_uri=spec.tracking_uri, run_id=spec.run_id)
     spec.dev_bleu_dir = storage.absolute(run_dir) if validation is not None else ""
     check_early_stop(cfg, dev_dir, vocab)
@@ -259,7 +260,7 @@ def run(ctx: StageContext) -> StageResult:
     if not checkpoints:
         raise RuntimeError(f"train: the run {ctx.key} under {storage_path} finished without a checkpoint")
     final_step = int(summary.get("final_step") or train_checkpoint_step(checkpoints[-1]))
-    dev, dev_metrics = dev_bleu.summarize(run_dir, cfg, dev_dir, vocab)
+    dev, dev_metrics = dev_bleu_validation.summarize(run_dir, cfg, dev_dir, vocab)
     shortfall = kept_shortfall(cfg, len(checkpoints))
     early = summary.get("early_stop") or None
     if early:
@@ -295,7 +296,7 @@ def run(ctx: StageContext) -> StageResult:
                  "tracking_pending_points": pending_points,  # spooled at the end of training (see above)
                  # For the score report: the compute this result cost (loop time x workers).
                  # The last attempt's group (an elastic run may have changed size on the way).
-                 "num_workers": int(summary.get("world_size") or elastic.worker_range(ctx.cfg)[1]),
+                 "num_workers": int(summary.get("world_size") or worker_range(ctx.cfg)[1]),
                  "device": "GPU" if on_gpu else "CPU",
                  "gpu_hours": float(summary.get("train_time_s", 0.0)) * int(summary.get("world_size") or 1) / 3600
                  if on_gpu else 0.0},
@@ -307,7 +308,7 @@ def check_early_stop(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> None:
     tc = cfg.train
     if not tc.early_stop_patience:
         return
-    why = (dev_bleu.unavailable(cfg, dev_dir, vocab) if tc.early_stop_metric == "dev_bleu"
+    why = (dev_bleu_validation.unavailable(cfg, dev_dir, vocab) if tc.early_stop_metric == "dev_bleu"
            else None if dev_dir else "the encode stage has no dev split")
     if why:
         raise TrainInputError(f"train.early_stop_patience = {tc.early_stop_patience} on "
@@ -317,8 +318,8 @@ def check_early_stop(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> None:
 
 
 def _log_bill(ctx: StageContext, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray]) -> None:
-    """--plan's bill (pipeline/train/bill.py) as the run's MLflow params; never fails training."""
-    from pipeline.train import bill
+    """--plan's bill (pipeline/plan/bill.py) as the run's MLflow params; never fails training."""
+    from pipeline.plan import bill
 
     try:
         b = bill.for_lengths(ctx.cfg, mc, lengths)
