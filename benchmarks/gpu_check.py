@@ -12,7 +12,7 @@ section that overruns it); a section that cannot run says why. Prints a table an
   bound) and `mfu_counted_pct` (FLOPs counted by torch's FlopCounterMode on the steps measured,
   pipeline/plan/flops.py: the MFU `--plan --mfu-from gpu_check.json` bills with); compiled rows
   also give `compiled_graphs`, the graphs torch.compile built (first compile + recompiles +
-  graph-break pieces; pipeline/train/compiled.py): a count that grows with the steps would mean a
+  graph-break pieces; pipeline/train/device.py): a count that grows with the steps would mean a
   recompile per batch shape;
 - host syncs per step (`torch.cuda.set_sync_debug_mode("warn")`), plain and log+checkpoint steps;
 - the loop's stall per checkpoint (`checkpoint.save` to local disk; uploads run in the background);
@@ -185,10 +185,11 @@ def train(pr: Profile, size: str, compile_: bool, train_dir: Path, work: Path) -
     tps = trainer.metrics.last["train/tgt_tokens_per_s"]
     src_per_tgt = summary["tokens_seen"]["src"] / max(summary["tokens_seen"]["tgt"], 1)
     step_flops = model_flops_per_step(mc, int(pr.tokens_per_step * src_per_tgt), pr.tokens_per_step)
-    return {"tgt_tokens_per_s": tps, "model_flops_per_step": step_flops, "precision": trainer.precision,
+    return {"tgt_tokens_per_s": tps, "model_flops_per_step": step_flops, "precision": trainer.device_setup.precision,
             "params": sum(p.numel() for p in trainer.model.parameters()), "steps": steps,
             "counted_flops_per_tgt_token": counted_flops_per_tgt_token(trainer, mc, steps),
-            "compiled_graphs": trainer.compiler.num_graphs if trainer.compiler is not None else None,
+            "compiled_graphs": (trainer.device_setup.compiler.num_graphs if trainer.device_setup.compiler is not None
+                                else None),
             "batch_shapes": summary["batch_shapes"], "measured_steps": pr.measured_steps}, trainer
 
 

@@ -20,7 +20,8 @@ from pipeline.train.loop import Trainer
 from pipeline.train.feeder import HostBatcher
 from pipeline.plan.flops import OpCounter
 from pipeline.train.metrics import Window
-from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, to_device
+from pipeline.train.feeder import to_device
+from pipeline.train.step import LossSettings, accumulate_gradients, distributed, optimizer_step
 
 
 def count_syncs(trainer: Trainer, device: str, steps: int = 10) -> tuple[float, int]:
@@ -129,7 +130,7 @@ def fit_probe(pr: Any, mc: ModelConfig) -> Callable[[int], bool]:
         try:
             b = token_batches.collate(np.arange(rows), values, offsets, values, offsets, mc.pad_id, mc.bos_id, mc.eos_id)
             mb = to_device(b, device)
-            accumulate_gradients(model, [mb], b.num_tgt_tokens, 1, 0.1, mc.pad_id, autocast)
+            accumulate_gradients(model, [mb], b.num_tgt_tokens, 1, LossSettings(0.1, mc.pad_id, autocast))
             optimizer_step(model, opt, sched, None, 0.0, want_norm=False)
             if device.type == "cuda":
                 torch.cuda.synchronize()

@@ -20,7 +20,7 @@ E. --cpu-bf16: the bare step in fp32 and under bf16 autocast, side by side, at l
    (d_model 128, 2+2 layers, vocab 4000, ~2500 target tokens) and at d_model 256, 3+3, vocab 8000
    (~2700 target tokens), and with --train-dir on local mode's real WMT batches; all threads;
    bf16 with each micro-batch's rows as they are and rounded up to 64 (what the loop does,
-   `pipeline.train.precision.row_multiple`); the ratio fp32 time / bf16 (x64) time.
+   `pipeline.train.device.row_multiple`); the ratio fp32 time / bf16 (x64) time.
 F. --convergence STEPS: the loop (A) for STEPS steps at local size in fp32 and in bf16, the same
    seed and batches; dev loss and ppl of both (bf16 should be within a small margin of fp32).
 """
@@ -45,8 +45,9 @@ from pipeline.train import token_batches
 from pipeline.config import Config
 from pipeline.train.corpus import load_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
-from pipeline.train.precision import resolve_precision, row_multiple
-from pipeline.train.step import accumulate_gradients, optimizer_step, to_device
+from pipeline.train.device import resolve_precision, row_multiple
+from pipeline.train.feeder import to_device
+from pipeline.train.step import LossSettings, accumulate_gradients, optimizer_step
 from tests.support.synthetic import write_reverse_task
 
 
@@ -113,7 +114,7 @@ def run_bare(steps, cfg: Config, mc: ModelConfig, device: torch.device, precisio
     t0 = time.perf_counter()
     tokens = 0
     for mbs, n_tgt in steps:
-        accumulate_gradients(model, mbs, n_tgt, 1, cfg.train.label_smoothing, mc.pad_id, autocast)
+        accumulate_gradients(model, mbs, n_tgt, 1, LossSettings(cfg.train.label_smoothing, mc.pad_id, autocast))
         optimizer_step(model, opt, sched, None, 0.0, want_norm=False)
         tokens += n_tgt
     if device.type == "cuda":
@@ -243,7 +244,7 @@ def cpu_bf16_main(args) -> None:
     """E and F: fp32 vs bf16 autocast on this CPU (all threads)."""
     import os
 
-    from pipeline.train.precision import cpu_bf16_features
+    from pipeline.train.device import cpu_bf16_features
 
     torch.set_num_threads(os.cpu_count() or 1)
     logging.basicConfig(level=logging.WARNING)

@@ -143,7 +143,7 @@ class TrainConfig:
     use_gpu: bool | Auto = op("auto")
     # "auto": bf16 autocast where the device does bf16 natively (CUDA; a CPU with AVX512-BF16 or
     # AMX), else fp32 (fp16 on a GPU without bf16). "bf16" on a CPU without it is an error.
-    precision: Precision = op("auto")  # (pipeline/train/precision.py)
+    precision: Precision = op("auto")  # (pipeline/train/device.py)
     max_tokens_per_batch: int = op(12500)  # per worker micro-batch cap (src or tgt tokens)
     tokens_per_step: int = 25000  # §5.1: ~25000 target tokens per optimizer step
     max_steps: int = 100_000  # §5.3: base model trained 100k steps
@@ -179,7 +179,7 @@ class TrainConfig:
     shape_buckets: bool | Auto = op("auto")
     # The scaled-dot-product-attention kernel on a GPU: "auto" = the fastest of flash,
     # memory-efficient and cuDNN on this GPU, timed at the worker's start on a training-sized shape
-    # (pipeline/train/attention.py); or one of them, or "math". A CPU keeps PyTorch's own choice.
+    # (pipeline/train/device.py); or one of them, or "math". A CPU keeps PyTorch's own choice.
     attention_backend: AttentionBackend = op("auto")
     # The output projection fused with the label-smoothed loss, in row chunks (model/loss.py,
     # linear_label_smoothed_nll): no (tokens x vocabulary) logits, bf16 or fp32, are ever held.

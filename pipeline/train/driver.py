@@ -1,10 +1,12 @@
 """``train``: the Transformer on the encoded shards with Ray Train (TorchTrainer, DDP).
 
-Driver side (this module): checks the inputs before any worker starts (ids within the
-vocabulary, a non-empty training set, budgets that hold the longest pair), builds the
-`TorchTrainer`, and turns its `Result` into the stage's outputs (docs/stages.md) and plots.
-Worker side: `pipeline.train.loop` (the loop), `pipeline.train.batching` (token buckets),
-`pipeline.train.checkpoint` (the checkpoint folder), `pipeline.train.corpus` (the loader).
+Driver side (this module, the DAG's `train` entry): checks the inputs before any worker starts
+(ids within the vocabulary, a non-empty training set, budgets that hold the longest pair), logs
+the stage's bill (`pipeline.plan.bill`) as its run's params, builds the `TorchTrainer`, and turns
+its `Result` into the stage's outputs (docs/stages.md) and plots. Beside it on the driver:
+`elastic` (the worker range), `resume` (the run folder), `dev_bleu_validation` (dev BLEU per
+checkpoint). Worker side: `pipeline.train.loop` (the loop) and its parts, on the global batch plan
+of `pipeline.plan.step_groups`.
 
 Resume. The Ray Train run is named after the stage's cache key and lives under
 `run.storage_path` (default `<work_dir>/ray_train`). Ray Train V2 keeps a checkpoint-manager
@@ -42,7 +44,7 @@ from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train import dev_bleu_validation, elastic, preemption
 from pipeline.train.corpus import id_range, load_lengths, shard_files
 from pipeline.train.loop import LoopSpec, train_worker
-from pipeline.train.precision import describe as describe_precision
+from pipeline.train.device import describe as describe_precision
 from pipeline.train.resume import storage_path_for
 from pipeline.train.session import SESSION_WRAPPER_ENV, RaySession
 
@@ -232,8 +234,8 @@ def checkpoint_uris(result: Any, storage_path: str) -> list[str]:
 
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
-    encode = ctx.inputs["encode"].outputs
-    mc = model_config_for(cfg, ctx.inputs["vocab"].outputs)
+    encode, vocab = ctx.inputs["encode"].outputs, ctx.inputs["vocab"].outputs
+    mc = model_config_for(cfg, vocab)
     train_dir = encode["splits"]["train"]["dir"]
     dev_dir = encode["splits"].get("dev", {}).get("dir", "")
     lengths = load_lengths(train_dir)  # read once: the checks and the bill
@@ -244,9 +246,8 @@ def run(ctx: StageContext) -> StageResult:
                     run_id=getattr(ctx.tracker, "run_id", None), session_wrapper=_session_wrapper())
     storage_path = storage_path_for(cfg)
     run_dir = storage.join(storage_path, ctx.key)
-    vocab = ctx.inputs["vocab"].outputs
     validation = dev_bleu_validation.validation_config(cfg, dev_dir=dev_dir, vocab=vocab, run_dir=run_dir,
-                                            tracking_uri=spec.tracking_uri, run_id=spec.run_id)
+                                                       tracking_uri=spec.tracking_uri, run_id=spec.run_id)
     spec.dev_bleu_dir = storage.absolute(run_dir) if validation is not None else ""
     check_early_stop(cfg, dev_dir, vocab)
     _log_bill(ctx, mc, lengths)
@@ -261,14 +262,7 @@ def run(ctx: StageContext) -> StageResult:
         raise RuntimeError(f"train: the run {ctx.key} under {storage_path} finished without a checkpoint")
     final_step = int(summary.get("final_step") or train_checkpoint_step(checkpoints[-1]))
     dev, dev_metrics = dev_bleu_validation.summarize(run_dir, cfg, dev_dir, vocab)
-    shortfall = kept_shortfall(cfg, len(checkpoints))
-    early = summary.get("early_stop") or None
-    if early:
-        log.info("train: stopped early at step %d of %d: %s did not improve for %d validation(s) (best %s at step %s)",
-                 early["step"], early["max_steps"], early["metric"], early["num_bad"], early["best"],
-                 early["best_step"])
-    if shortfall:
-        log.warning("train: %s", shortfall)
+    _log_end(cfg, summary, final_step, len(checkpoints))
     history = {"train": summary.get("history_train", []), "val": summary.get("history_val", [])}
     ctx.tracker.set_tags({"train.precision_used": str(summary.get("precision"))})  # what "auto" became
     storage.write_json(storage.join(ctx.out_dir, "history.json"), history)
@@ -282,25 +276,41 @@ def run(ctx: StageContext) -> StageResult:
                "train/wall_s": float(summary.get("train_time_s", 0.0)),
                "train/driver_wall_s": time.time() - t0,
                **{f"val/final_{k[4:]}": float(v) for k, v in last.items() if k.startswith("val/")}, **dev_metrics}
+    outputs = {"checkpoints": checkpoints, "final_step": final_step, "run_name": ctx.key,
+               "storage_path": storage_path, "model_config": mc.to_dict(), "data": stats, "dev_bleu": dev,
+               "tracking_pending_points": pending_points,  # spooled at the end of training (see above)
+               **_summary_outputs(cfg, summary)}
+    return StageResult(outputs=outputs, metrics=metrics)
+
+
+def _log_end(cfg: Config, summary: dict[str, Any], final_step: int, num_checkpoints: int) -> None:
+    """Why the run ended early (if it did), a shortfall of kept checkpoints, what it saw."""
+    early = summary.get("early_stop") or None
+    if early:
+        log.info("train: stopped early at step %d of %d: %s did not improve for %d validation(s) (best %s at step %s)",
+                 early["step"], early["max_steps"], early["metric"], early["num_bad"], early["best"],
+                 early["best_step"])
+    shortfall = kept_shortfall(cfg, num_checkpoints)
+    if shortfall:
+        log.warning("train: %s", shortfall)
     tokens = summary.get("tokens_seen", {"src": 0, "tgt": 0})
-    on_gpu = gpu_training(ctx.cfg)
-    log.info("train: done at step %d, %d checkpoint(s) kept, %d target tokens seen", final_step,
-             len(checkpoints), tokens["tgt"])
-    return StageResult(
-        outputs={"checkpoints": checkpoints, "final_step": final_step, "run_name": ctx.key,
-                 "storage_path": storage_path, "tokens_seen": tokens,
-                 "wall_s": float(summary.get("train_time_s", 0.0)), "model_config": mc.to_dict(),
-                 "data": stats, "precision": summary.get("precision"), "dev_bleu": dev,
-                 "resumed_from_step": int(summary.get("start_step", 0)),
-                 "early_stop": early,  # None, or where and why early stopping ended the run (score's report)
-                 "tracking_pending_points": pending_points,  # spooled at the end of training (see above)
-                 # For the score report: the compute this result cost (loop time x workers).
-                 # The last attempt's group (an elastic run may have changed size on the way).
-                 "num_workers": int(summary.get("world_size") or worker_range(ctx.cfg)[1]),
-                 "device": "GPU" if on_gpu else "CPU",
-                 "gpu_hours": float(summary.get("train_time_s", 0.0)) * int(summary.get("world_size") or 1) / 3600
-                 if on_gpu else 0.0},
-        metrics=metrics)
+    log.info("train: done at step %d, %d checkpoint(s) kept, %d target tokens seen", final_step, num_checkpoints,
+             tokens["tgt"])
+
+
+def _summary_outputs(cfg: Config, summary: dict[str, Any]) -> dict[str, Any]:
+    """The stage's outputs taken from the workers' summary (rank 0's)."""
+    on_gpu = gpu_training(cfg)
+    train_time_s = float(summary.get("train_time_s", 0.0))
+    return {"tokens_seen": summary.get("tokens_seen", {"src": 0, "tgt": 0}), "wall_s": train_time_s,
+            "precision": summary.get("precision"),
+            "resumed_from_step": int(summary.get("start_step", 0)),
+            "early_stop": summary.get("early_stop") or None,  # None, or where and why early stopping ended the run
+            # For the score report: the compute this result cost (loop time x workers).
+            # The last attempt's group (an elastic run may have changed size on the way).
+            "num_workers": int(summary.get("world_size") or worker_range(cfg)[1]),
+            "device": "GPU" if on_gpu else "CPU",
+            "gpu_hours": train_time_s * int(summary.get("world_size") or 1) / 3600 if on_gpu else 0.0}
 
 
 def check_early_stop(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> None:

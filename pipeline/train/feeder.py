@@ -1,14 +1,18 @@
-"""A step's host-side batches: this worker's share of the step, collated, pinned, built ahead.
+"""A step's host-side batches: this worker's share of the step, collated, pinned, built ahead,
+and copied to the device.
 
 `StepPlan` says which pairs training keeps and which step group comes next (the global plan,
-the same on every worker); `HostBatcher` turns one step group (row ids of the global plan) into this worker's micro-batches
-and the step's token counts; `Feeder` builds the next step's batches in a background thread
-while the current step runs. Both are O(batch) and touch no device.
+the same on every worker: `pipeline.plan.step_groups`); `HostBatcher` turns one step group (row ids
+of the global plan) into this worker's `StepBatch`: its micro-batches and the step's token counts;
+`Feeder` builds the next step's batches in a background thread while the current step runs. All
+three are O(batch) and touch no device; `upload` is the one copy to the device (asynchronous on a
+GPU, from pinned memory).
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -16,12 +20,61 @@ import torch
 
 from model import ModelConfig
 from pipeline.plan import step_groups
+from pipeline.plan.shapes import ShapeBuckets
 from pipeline.train import token_batches
 from pipeline.train.corpus import Corpus
-from pipeline.plan.shapes import ShapeBuckets
-from pipeline.train.step import MicroBatch, pin
 
-HostBatches = tuple[list[MicroBatch], int, int]  # micro-batches, step target tokens, step source tokens
+
+@dataclass
+class MicroBatch:
+    """One micro-batch's model inputs as torch tensors (`pin`: on the host; `upload`: on the device)."""
+
+    src: torch.Tensor  # (B, S)
+    tgt_in: torch.Tensor  # (B, T)
+    tgt_out: torch.Tensor  # (B, T)
+    weight: float = 1.0  # 0 for a stand-in when a worker has no rows for this micro-step
+    src_index: torch.Tensor | None = None  # (Ms,) flat non-pad positions of src (host-computed)
+    tgt_index: torch.Tensor | None = None  # (M,) flat non-pad positions of tgt_in / tgt_out
+    target: torch.Tensor | None = None  # (M,) tgt_out at those positions
+
+
+def pin(batch: token_batches.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:
+    """Host side of `to_device`: torch tensors over the batch's arrays, in pinned memory for a GPU
+    (so the copy can be asynchronous). Safe to run in a background thread (prefetch)."""
+    def t(x: np.ndarray | None) -> torch.Tensor | None:
+        if x is None:
+            return None
+        x = torch.from_numpy(x)
+        return x.pin_memory() if device.type == "cuda" else x
+
+    return MicroBatch(t(batch.src), t(batch.tgt_in), t(batch.tgt_out), weight, t(batch.src_index),
+                      t(batch.tgt_index), t(batch.target))
+
+
+def upload(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    """Copy a pinned micro-batch to the device without waiting for it (a no-op on CPU)."""
+    if device.type != "cuda":
+        return mb
+    def t(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(device, non_blocking=True)
+
+    return MicroBatch(t(mb.src), t(mb.tgt_in), t(mb.tgt_out), mb.weight, t(mb.src_index), t(mb.tgt_index),
+                      t(mb.target))
+
+
+def to_device(batch: token_batches.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:
+    """`pin` then `upload`: a host batch on the device in one call (the dev loss, tests)."""
+    return upload(pin(batch, device, weight), device)
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step's share of this worker: its micro-batches and the whole step's token
+    counts (every worker's; the loss is normalized by `tgt_tokens`, `pipeline.train.step`)."""
+
+    micro_batches: list[MicroBatch]  # on the host (pinned on a GPU); `upload` copies them
+    tgt_tokens: int  # target tokens of the step, all workers (pieces + eos)
+    src_tokens: int  # source tokens of the step, all workers (pieces + eos)
 
 
 class StepPlan:
@@ -39,7 +92,8 @@ class StepPlan:
         """The step groups of `epoch`, in training order (the last epoch's are kept)."""
         if epoch != self._epoch:
             d = self.data
-            self._groups = step_groups.plan_epoch(self.rows, d.src_len, d.tgt_len, self.tokens_per_step, self.seed, epoch)
+            self._groups = step_groups.plan_epoch(self.rows, d.src_len, d.tgt_len, self.tokens_per_step, self.seed,
+                                                  epoch)
             self._epoch = epoch
         return self._groups
 
@@ -56,7 +110,7 @@ class StepPlan:
 
 class HostBatcher:
     """This worker's micro-batches of one step (`rank` of `world`), under `max_tokens` padded tokens
-    each; `row_multiple`, `buckets`: see `token_batches.collate` (`precision.row_multiple`,
+    each; `row_multiple`, `buckets`: see `token_batches.collate` (`device.row_multiple`,
     `train.shape_buckets`). `shapes` collects the shapes handed out (the loop logs their count)."""
 
     def __init__(self, data: Corpus, mcfg: ModelConfig, rank: int, world: int, max_tokens: int,
@@ -65,7 +119,7 @@ class HostBatcher:
         self.max_tokens, self.device, self.row_multiple, self.buckets = max_tokens, device, row_multiple, buckets
         self.shapes: set[tuple[int, ...]] = set()
 
-    def __call__(self, group: np.ndarray) -> HostBatches:
+    def __call__(self, group: np.ndarray) -> StepBatch:
         d, m = self.data, self.mcfg
         step_tgt = int(step_groups.target_tokens(d.tgt_len[group]).sum())
         step_src = int(d.src_len[group].sum()) + len(group)
@@ -75,10 +129,10 @@ class HostBatcher:
             weight = 1.0 if len(rows) else 0.0  # no rows left for this worker: a zero-weight stand-in
             rows = rows if len(rows) else group[:1]
             b = token_batches.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
-                                 m.pad_id, m.bos_id, m.eos_id, self.row_multiple, m.max_positions, self.buckets)
+                                      m.pad_id, m.bos_id, m.eos_id, self.row_multiple, m.max_positions, self.buckets)
             self.shapes.add(b.src.shape + b.tgt_in.shape + (len(b.src_index), len(b.tgt_index)))
             micro.append(pin(b, self.device, weight))
-        return micro, step_tgt, step_src
+        return StepBatch(micro, tgt_tokens=step_tgt, src_tokens=step_src)
 
 
 class Feeder:
@@ -88,12 +142,12 @@ class Feeder:
     losses (tested); on a GPU the collate, the pinning and the index computation then overlap
     the previous step's kernels instead of delaying the next launch."""
 
-    def __init__(self, build: Callable[[np.ndarray], HostBatches], prefetch: bool):
+    def __init__(self, build: Callable[[np.ndarray], StepBatch], prefetch: bool):
         self.build = build
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if prefetch else None
         self.pending: tuple[np.ndarray, Future] | None = None
 
-    def take(self, group: np.ndarray) -> HostBatches:
+    def take(self, group: np.ndarray) -> StepBatch:
         """The step's batches: the prefetched ones if they are this group's, else built now."""
         ahead, self.pending = self.pending, None
         if ahead is not None and ahead[0] is group:

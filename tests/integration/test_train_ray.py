@@ -19,7 +19,7 @@ import torch
 from pipeline.train import driver as train
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.config import Config
-from pipeline.train.precision import cpu_bf16_features
+from pipeline.train.device import cpu_bf16_features
 from pipeline.stage import Manifest, StageContext
 from tests.support import faults
 from tests.support.synthetic import write_reverse_task

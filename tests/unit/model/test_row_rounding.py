@@ -9,7 +9,7 @@ import torch
 
 from model import ModelConfig, Transformer, label_smoothed_nll
 from pipeline.train import token_batches
-from pipeline.train.step import to_device
+from pipeline.train.feeder import to_device
 
 
 def test_loss_and_gradients_with_rounded_rows_equal_the_unrounded_ones():

@@ -16,7 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from model import ModelConfig, Transformer, label_smoothed_nll
 from pipeline.plan import step_groups
 from pipeline.train import token_batches
-from pipeline.train.step import MicroBatch, accumulate_gradients, to_device
+from pipeline.train.feeder import MicroBatch, to_device
+from pipeline.train.step import LossSettings, accumulate_gradients
 
 MC = ModelConfig(vocab_size=50, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
                  dropout=0.0)
@@ -55,7 +56,7 @@ def test_four_micro_batches_equal_one_big_batch():
     torch.manual_seed(0)
     model = Transformer(MC)
     chunks = [micro(data, rows[i:i + 4]) for i in range(0, 16, 4)]
-    loss, nll = accumulate_gradients(model, chunks, n_tokens, world_size=1, epsilon=0.1, pad_id=0)
+    loss, nll = accumulate_gradients(model, chunks, n_tokens, world_size=1, settings=LossSettings(0.1, pad_id=0))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-7, msg=name)
     assert loss.item() > nll.item() > 0
@@ -70,7 +71,8 @@ def test_a_zero_weight_stand_in_adds_nothing():
     model = Transformer(MC)
     stand_in = micro(data, rows[:1])
     stand_in.weight = 0.0
-    accumulate_gradients(model, [micro(data, rows), stand_in], n_tokens, world_size=1, epsilon=0.1, pad_id=0)
+    accumulate_gradients(model, [micro(data, rows), stand_in], n_tokens, world_size=1,
+                         settings=LossSettings(0.1, pad_id=0))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-7, msg=name)
 
@@ -88,7 +90,7 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.manual_seed(0)
         model = DDP(Transformer(MC))
         accumulate_gradients(model, [micro(data, c) for c in mine], n_tokens, world_size=world,
-                             epsilon=0.1, pad_id=0)
+                             settings=LossSettings(0.1, pad_id=0))
         grads = {n.removeprefix("module."): p.grad for n, p in model.named_parameters()}
         torch.save(grads, os.path.join(out_dir, f"grads_{rank}.pt"))
     finally:

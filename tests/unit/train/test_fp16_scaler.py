@@ -18,7 +18,8 @@ from pipeline.train import token_batches
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.corpus import load_corpus
 from pipeline.train.checkpoint import Progress
-from pipeline.train.step import accumulate_gradients, optimizer_step, to_device
+from pipeline.train.feeder import to_device
+from pipeline.train.step import LossSettings, accumulate_gradients, optimizer_step
 from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import VOCAB, one_thread  # noqa: F401 (fixture)
 
@@ -54,7 +55,7 @@ def train(parts, steps, autocast) -> list[float]:
     losses = []
     for micro in steps:
         tgt = sum(int((mb.tgt_out != MC.pad_id).sum()) for mb in micro)
-        loss, _ = accumulate_gradients(model, micro, tgt, 1, 0.1, MC.pad_id, autocast, scaler)
+        loss, _ = accumulate_gradients(model, micro, tgt, 1, LossSettings(0.1, MC.pad_id, autocast, scaler))
         optimizer_step(model, opt, sched, scaler, 0.0, False)
         losses.append(float(loss) / tgt)
     return losses

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from pipeline.config import Config, ConfigError
-from pipeline.train import token_batches, precision
+from pipeline.train import device as worker_device
+from pipeline.train import token_batches
 from pipeline.train.loop import LocalSession, train_worker
-from pipeline.train.precision import describe, resolve_precision
+from pipeline.train.device import describe, resolve_precision
 from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import VOCAB, one_thread, tiny_spec  # noqa: F401 (fixture)
 
@@ -64,7 +65,7 @@ def test_probes_agree_with_the_kernels_cpu_flags():
     assert info.exists(), "this test reads the Linux kernel's CPU flags"
     flags = {f for line in info.read_text().splitlines() if line.startswith("flags") for f in line.split()}
     expected = [n for n, f in (("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_tile")) if f in flags]
-    assert precision.cpu_bf16_features() == expected
+    assert worker_device.cpu_bf16_features() == expected
 
 
 @pytest.mark.slow
@@ -89,6 +90,6 @@ def test_a_bf16_cpu_run_is_autocast_and_tracks_fp32(tmp_path, monkeypatch):
 
 
 def test_only_bf16_on_a_cpu_rounds_the_rows():
-    assert precision.row_multiple("bf16", CPU) == 64
-    assert precision.row_multiple("fp32", CPU) == 1
-    assert precision.row_multiple("bf16", torch.device("cuda")) == 1
+    assert worker_device.row_multiple("bf16", CPU) == 64
+    assert worker_device.row_multiple("fp32", CPU) == 1
+    assert worker_device.row_multiple("bf16", torch.device("cuda")) == 1

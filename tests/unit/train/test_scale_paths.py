@@ -17,7 +17,8 @@ from pipeline.train import token_batches
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.corpus import load_corpus, load_shared_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer, train_worker
-from pipeline.train.step import accumulate_gradients, to_device
+from pipeline.train.feeder import to_device
+from pipeline.train.step import LossSettings, accumulate_gradients
 from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import VOCAB, tiny_spec
 
@@ -83,12 +84,12 @@ def test_a_training_step_has_no_host_sync():
                                     n_decoder_layers=1, dropout=0.1))
     micro = [to_device(_batch(), torch.device("cpu"))]
     with _SyncingOps() as ops:
-        accumulate_gradients(model, micro, micro[0].target.numel(), 1, 0.1, PAD)
+        accumulate_gradients(model, micro, micro[0].target.numel(), 1, LossSettings(0.1, PAD))
     assert ops.seen == []
     # The check can fail: without the host-side indices the model finds them on the device.
     micro[0].src_index = micro[0].tgt_index = micro[0].target = None
     with _SyncingOps() as ops:
-        accumulate_gradients(model, micro, int((micro[0].tgt_out != PAD).sum()), 1, 0.1, PAD)
+        accumulate_gradients(model, micro, int((micro[0].tgt_out != PAD).sum()), 1, LossSettings(0.1, PAD))
     assert "nonzero" in ops.seen
 
 

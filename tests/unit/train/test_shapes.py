@@ -15,7 +15,8 @@ from pipeline.plan import bill
 from pipeline.train import token_batches
 from pipeline.train.loop import LocalSession, train_worker
 from pipeline.plan.shapes import ShapeBuckets, ladder, real_shape
-from pipeline.train.step import accumulate_gradients, to_device
+from pipeline.train.feeder import to_device
+from pipeline.train.step import LossSettings, accumulate_gradients
 from tests.unit.train.test_loop import shards, tiny_spec  # noqa: F401 (a fixture)
 
 
@@ -77,8 +78,8 @@ def test_a_bucketed_step_has_the_loss_and_gradients_of_the_unpadded_one():
     for buckets in (None, ShapeBuckets()):
         b = token_batches.collate(rows, sv, so, tv, to, mc.pad_id, mc.bos_id, mc.eos_id, buckets=buckets)
         model.zero_grad()
-        loss, nll = accumulate_gradients(model, [to_device(b, torch.device("cpu"))], b.num_tgt_tokens, 1, 0.1,
-                                         mc.pad_id)
+        loss, nll = accumulate_gradients(model, [to_device(b, torch.device("cpu"))], b.num_tgt_tokens, 1,
+                                         LossSettings(0.1, mc.pad_id))
         results.append((loss, nll, [p.grad.clone() for p in model.parameters()], b.src.shape))
     (l0, n0, g0, s0), (l1, n1, g1, s1) = results
     assert s1[0] > s0[0] and s1[1] > s0[1]  # padded: rows and columns added
