@@ -42,6 +42,7 @@ import torch
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
 from pipeline.plan import step_groups
 from pipeline.train import token_batches
+from pipeline.train.token_batches import BatchLayout
 from pipeline.config import Config
 from pipeline.train.corpus import load_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
@@ -83,7 +84,7 @@ def run_loop(spec: dict, work: Path, device: str) -> dict:
 
 def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device, multiple: int = 0):
     """Every step's micro-batches, as the loop would cut them, collated up front; their rows rounded
-    up to `multiple` (0 = as the loop does in train.precision on `device`: `precision.row_multiple`)."""
+    up to `multiple` (0 = as the loop does in train.precision on `device`: `device.row_multiple`)."""
     multiple = multiple or row_multiple(resolve_precision(cfg.train.precision, device), device)
     d = load_corpus(spec["train_dir"])
     t = cfg.train
@@ -92,8 +93,7 @@ def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device
     while len(steps) < t.max_steps:
         for group in step_groups.plan_epoch(rows, d.src_len, d.tgt_len, t.tokens_per_step, t.seed, epoch):
             split = step_groups.split_step(group, d.src_len, d.tgt_len, 1, t.max_tokens_per_batch)
-            mbs = [to_device(token_batches.collate(r, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
-                                              mc.pad_id, mc.bos_id, mc.eos_id, multiple, mc.max_positions), device)
+            mbs = [to_device(token_batches.collate(r, d, BatchLayout.of(mc, multiple)), device)
                    for r in split.for_worker(0)]
             steps.append((mbs, int(step_groups.target_tokens(d.tgt_len[group]).sum())))
             if len(steps) == t.max_steps:

@@ -175,7 +175,7 @@ class TrainConfig:
     compile: bool | Auto = op("auto")
     # Micro-batches padded to a few fixed shapes (pipeline/plan/shapes.py): "auto" = on a GPU, where
     # every new shape costs a cuDNN attention plan and GEMM choices; a CPU rounds positions to 64
-    # in bf16 only (precision.row_multiple).
+    # in bf16 only (pipeline.train.device.row_multiple).
     shape_buckets: bool | Auto = op("auto")
     # The scaled-dot-product-attention kernel on a GPU: "auto" = the fastest of flash,
     # memory-efficient and cuDNN on this GPU, timed at the worker's start on a training-sized shape

@@ -71,7 +71,7 @@ ASSUMED_PAIRS = {"wmt14": 4_500_000, "multi30k": 29_000}
 # eager step took 61.6 ms of host CPU time for two micro-batches of 1,275 aten ops each
 # (`flops.count_step_ops` of that model, fp32: the autocast casts and the optimizer are inside this
 # per-op figure): 24.2 us per op.
-# tests/unit/train/test_bill.py keeps it consistent with the count. An assumption for other hosts.
+# tests/unit/plan/test_bill.py keeps it consistent with the count. An assumption for other hosts.
 HOST_S_PER_OP = 24.2e-6
 SAMPLE_ROWS = 200_000  # rows the batch plan is built from (a uniform sample: the same length distribution)
 SAMPLE_STEPS = 6  # steps counted: one per stratum of the steps sorted by length (steps are length buckets)

@@ -37,21 +37,20 @@ class DevLoss:
                  world: int, device: torch.device, buckets: ShapeBuckets | None = None):
         """`loss`: the training steps' (`step.micro_batch_loss`; its scaler is unused here);
         `buckets`: pad each dev batch to its bucketed shape (`train.shape_buckets`)."""
-        self.data, self.mcfg, self.loss = data, mcfg, loss
-        self.rank, self.world, self.device, self.buckets = rank, world, device, buckets
+        self.data, self.loss, self.rank, self.world, self.device = data, loss, rank, world, device
+        self.layout = token_batches.BatchLayout.of(mcfg, buckets=buckets)
         d, limit = data, mcfg.max_positions
         rows = np.flatnonzero((d.src_len + 1 <= limit) & (d.tgt_len + 1 <= limit))
         self.batches = step_groups.plan_eval_batches(rows, d.src_len, d.tgt_len, max_tokens)
 
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> dict[str, float] | None:
-        d, m = self.data, self.mcfg
+        d = self.data
         inner = model.module if isinstance(model, DDP) else model
         inner.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         for rows in self.batches[self.rank::self.world]:
-            b = token_batches.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
-                                      m.pad_id, m.bos_id, m.eos_id, max_width=m.max_positions, buckets=self.buckets)
+            b = token_batches.collate(rows, d, self.layout)
             # Real positions only, found on the host (as in training): no `nonzero` in the model,
             # which would break a compiled model's graph into pieces specialized per batch.
             loss, nll = micro_batch_loss(inner, to_device(b, self.device), self.loss)

@@ -110,17 +110,18 @@ class StepPlan:
 
 class HostBatcher:
     """This worker's micro-batches of one step (`rank` of `world`), under `max_tokens` padded tokens
-    each; `row_multiple`, `buckets`: see `token_batches.collate` (`device.row_multiple`,
+    each; `row_multiple`, `buckets`: see `token_batches.BatchLayout` (`device.row_multiple`,
     `train.shape_buckets`). `shapes` collects the shapes handed out (the loop logs their count)."""
 
     def __init__(self, data: Corpus, mcfg: ModelConfig, rank: int, world: int, max_tokens: int,
                  device: torch.device, row_multiple: int = 1, buckets: ShapeBuckets | None = None):
         self.data, self.mcfg, self.rank, self.world = data, mcfg, rank, world
-        self.max_tokens, self.device, self.row_multiple, self.buckets = max_tokens, device, row_multiple, buckets
+        self.max_tokens, self.device = max_tokens, device
+        self.layout = token_batches.BatchLayout.of(mcfg, row_multiple, buckets)
         self.shapes: set[tuple[int, ...]] = set()
 
     def __call__(self, group: np.ndarray) -> StepBatch:
-        d, m = self.data, self.mcfg
+        d = self.data
         step_tgt = int(step_groups.target_tokens(d.tgt_len[group]).sum())
         step_src = int(d.src_len[group].sum()) + len(group)
         split = step_groups.split_step(group, d.src_len, d.tgt_len, self.world, self.max_tokens)
@@ -128,8 +129,7 @@ class HostBatcher:
         for rows in split.for_worker(self.rank):
             weight = 1.0 if len(rows) else 0.0  # no rows left for this worker: a zero-weight stand-in
             rows = rows if len(rows) else group[:1]
-            b = token_batches.collate(rows, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
-                                      m.pad_id, m.bos_id, m.eos_id, self.row_multiple, m.max_positions, self.buckets)
+            b = token_batches.collate(rows, d, self.layout)
             self.shapes.add(b.src.shape + b.tgt_in.shape + (len(b.src_index), len(b.tgt_index)))
             micro.append(pin(b, self.device, weight))
         return StepBatch(micro, tgt_tokens=step_tgt, src_tokens=step_src)

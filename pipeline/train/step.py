@@ -45,7 +45,7 @@ class FusedOutput:
 class LossSettings:
     """How a micro-batch's loss is computed, the same in the training steps and the dev loss."""
 
-    label_smoothing: float  # ε_ls = 0.1 (§5.4)
+    label_smoothing: float  # ε_ls (§5.4: 0.1; train.label_smoothing)
     pad_id: int  # target positions of this id are no tokens (the loss ignores them)
     autocast: Callable[[], ContextManager] = contextlib.nullcontext  # the forward's precision context
     scaler: torch.amp.GradScaler | None = None  # fp16 loss scaling of the backward (training only)

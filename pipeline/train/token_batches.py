@@ -9,10 +9,38 @@ pieces + [eos], decoder input [bos] + pieces, target pieces + [eos].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from pipeline.plan.shapes import ShapeBuckets
+
+
+class IdLists(Protocol):
+    """A split's flattened id lists (`pipeline.train.corpus.Corpus`): pair i's source is
+    src_values[src_offsets[i]:src_offsets[i + 1]], its target likewise."""
+
+    src_values: np.ndarray
+    src_offsets: np.ndarray
+    tgt_values: np.ndarray
+    tgt_offsets: np.ndarray
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How `collate` lays a micro-batch out: the model's special ids and what it pads to."""
+
+    pad_id: int
+    bos_id: int
+    eos_id: int
+    row_multiple: int = 1  # computed positions rounded up to a multiple of it (`device.row_multiple`)
+    max_width: int = 0  # never more columns than this (the model's positions); 0 = no limit
+    buckets: ShapeBuckets | None = None  # pad to the bucketed shape instead (GPUs: `train.shape_buckets`)
+
+    @classmethod
+    def of(cls, mc, row_multiple: int = 1, buckets: ShapeBuckets | None = None) -> "BatchLayout":
+        """The layout of the model `mc` (a `model.ModelConfig`): its special ids, at most its positions."""
+        return cls(mc.pad_id, mc.bos_id, mc.eos_id, row_multiple, mc.max_positions, buckets)
 
 
 @dataclass(frozen=True)
@@ -42,27 +70,27 @@ def _gather(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray
     return lens, values[np.repeat(starts, lens) + within], row_idx, within
 
 
-def collate(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, tgt_values: np.ndarray,
-            tgt_offsets: np.ndarray, pad_id: int, bos_id: int, eos_id: int, row_multiple: int = 1,
-            max_width: int = 0, buckets: ShapeBuckets | None = None) -> Batch:
-    """Padded source, decoder input and target for `rows` of flattened id lists.
+def collate(rows: np.ndarray, data: IdLists, layout: BatchLayout) -> Batch:
+    """Padded source, decoder input and target for `rows` of the id lists `data`, laid out by `layout`.
 
-    `row_multiple` > 1 rounds the number of positions the model computes (`src_index`,
+    `layout.row_multiple` > 1 rounds the number of positions the model computes (`src_index`,
     `tgt_index`) up to a multiple of it by adding pad positions (widening the batch if it has too
     few, but never past `max_width` columns (the model's positions; 0 = no limit): where that
     leaves too few pads the count stays unrounded). Their target is pad, so the loss ignores them,
     and no real position attends to them (pad keys are masked in the source; in the target they
-    sit after every real query). Why: oneDNN
-    builds a bf16 GEMM kernel per shape, and without rounding every micro-batch of a CPU bf16 run
-    has new shapes (docs/benchmarks.md, "bf16 on CPU").
+    sit after every real query). Why: oneDNN builds a bf16 GEMM kernel per shape, and without
+    rounding every micro-batch of a CPU bf16 run has new shapes (docs/benchmarks.md, "Local mode's
+    real batches: bf16 kernels per shape").
 
-    `buckets` (GPUs: `train.shape_buckets`) pads the batch to its bucketed shape instead
+    `layout.buckets` (GPUs: `train.shape_buckets`) pads the batch to its bucketed shape instead
     (`pipeline.plan.shapes`; `row_multiple` is then unused): more rows, each a source of [eos]
     and a decoder input of [bos] with a pad target, more columns, and more computed positions
     (pad positions, as above)."""
+    pad_id, bos_id, eos_id = layout.pad_id, layout.bos_id, layout.eos_id
+    row_multiple, max_width, buckets = layout.row_multiple, layout.max_width, layout.buckets
     B, every = len(rows), np.arange(len(rows))
-    s_lens, s_pieces, s_row, s_col = _gather(src_values, src_offsets, rows)
-    t_lens, t_pieces, t_row, t_col = _gather(tgt_values, tgt_offsets, rows)
+    s_lens, s_pieces, s_row, s_col = _gather(data.src_values, data.src_offsets, rows)
+    t_lens, t_pieces, t_row, t_col = _gather(data.tgt_values, data.tgt_offsets, rows)
     if buckets is None:  # B rows; positions rounded up to row_multiple (count 0)
         Bb, Ms, Mt = B, 0, 0
         S, T = _width(s_lens + 1, row_multiple, max_width), _width(t_lens + 1, row_multiple, max_width)

@@ -16,6 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from model import ModelConfig, Transformer, label_smoothed_nll
 from pipeline.plan import step_groups
 from pipeline.train import token_batches
+from pipeline.train.corpus import Corpus
+from pipeline.train.token_batches import BatchLayout
 from pipeline.train.feeder import MicroBatch, to_device
 from pipeline.train.step import LossSettings, accumulate_gradients
 
@@ -34,7 +36,7 @@ def fixed_rows(n: int = 16, seed: int = 0):
 
 
 def micro(data, rows) -> MicroBatch:
-    b = token_batches.collate(np.asarray(rows), *data, pad_id=0, bos_id=2, eos_id=3)
+    b = token_batches.collate(np.asarray(rows), Corpus(*data), BatchLayout(pad_id=0, bos_id=2, eos_id=3))
     return to_device(b, torch.device("cpu"))
 
 

@@ -15,6 +15,7 @@ import torch
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
 from pipeline.plan import step_groups
 from pipeline.train import token_batches
+from pipeline.train.token_batches import BatchLayout
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.corpus import load_corpus
 from pipeline.train.checkpoint import Progress
@@ -37,8 +38,7 @@ def steps(tmp_path_factory) -> list[list]:
     out = []
     for g in plan:
         split = step_groups.split_step(g, d.src_len, d.tgt_len, 1, 200)
-        out.append([to_device(token_batches.collate(c, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
-                                               MC.pad_id, MC.bos_id, MC.eos_id), torch.device("cpu"))
+        out.append([to_device(token_batches.collate(c, d, BatchLayout(MC.pad_id, MC.bos_id, MC.eos_id)), torch.device("cpu"))
                     for c in split.chunks[0]])
     return out
 

@@ -73,9 +73,8 @@ def test_a_bf16_cpu_run_is_autocast_and_tracks_fp32(tmp_path, monkeypatch):
     _cpu(monkeypatch, True, False)  # as on a bf16 CPU (emulated elsewhere: slower, same numbers)
     multiples: list[int] = []  # what the loop asks collate for: rows rounded to 64 in bf16 only
     collate = token_batches.collate
-    monkeypatch.setattr(token_batches, "collate", lambda *a, **kw: multiples.append(a[8] if len(a) > 8 else
-                                                                                kw.get("row_multiple", 1))
-                        or collate(*a, **kw))
+    monkeypatch.setattr(token_batches, "collate", lambda rows, data, layout: multiples.append(layout.row_multiple)
+                        or collate(rows, data, layout))
     shards = (write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0),
               write_reverse_task(tmp_path / "dev", 40, VOCAB, seed=1))
     fp32 = train_worker(tiny_spec(shards, max_steps=6), LocalSession(tmp_path / "a"))

@@ -14,8 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import model.transformer
 from model import ModelConfig, Transformer, make_optimizer
 from pipeline.train import token_batches
+from pipeline.train.token_batches import BatchLayout
 from pipeline.train import checkpoint as train_checkpoint
-from pipeline.train.corpus import load_corpus, load_shared_corpus
+from pipeline.train.corpus import Corpus, load_corpus, load_shared_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer, train_worker
 from pipeline.train.feeder import to_device
 from pipeline.train.step import LossSettings, accumulate_gradients
@@ -37,7 +38,8 @@ def _batch(rows=(0, 5, 7, 11)) -> token_batches.Batch:
     lens = rng.integers(1, 9, size=12)
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     values = rng.integers(4, 50, size=int(offsets[-1])).astype(np.int32)
-    return token_batches.collate(np.asarray(rows), values, offsets, values[::-1].copy(), offsets, PAD, BOS, EOS)
+    return token_batches.collate(np.asarray(rows), Corpus(values, offsets, values[::-1].copy(), offsets),
+                                 BatchLayout(PAD, BOS, EOS))
 
 
 def test_collate_indices_equal_what_the_device_would_compute():

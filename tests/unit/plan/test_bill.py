@@ -210,8 +210,9 @@ def test_the_host_cost_per_op_is_issue_37s_measurement_over_the_counted_ops():
 
 
 def test_an_eager_bill_is_bounded_by_the_host_and_prints_how():
-    """The Multi30k tiny recipe, eager: 8.6 s of math at the assumed MFU, ~9 min measured (issue 37);
-    the bill's hours are its host floor, computed from the printed figures."""
+    """The Multi30k tiny recipe, eager: seconds of math at the assumed MFU, minutes measured
+    (docs/benchmarks.md, "The bill's host floor"); the bill's hours are its host floor, computed from
+    the printed figures."""
     cfg = load_config(["configs/multi30k-tiny.toml"], ["--train.compile=false"])
     mc = ModelConfig(vocab_size=8000, d_model=128, d_ff=256, n_heads=4, n_encoder_layers=4, n_decoder_layers=4,
                      dropout=0.3)
