@@ -8,7 +8,7 @@ local mode's sizes (configs/local.toml: d_model 128, 2+2 layers, 2500 target tok
 vocab 4000), eager and with `train.compile = true`, the same seed and batches. Reported per
 run: target tokens/s over the steps after the first log window (compilation is in the first
 one), the wall time of that first window (compile time included), the graphs torch.compile built
-(`pipeline.train.compiled`: first compile + recompiles + graph-break pieces) and the largest
+(`pipeline.train.device`: first compile + recompiles + graph-break pieces) and the largest
 relative difference of the logged losses (dropout masks equal: inductor's `fallback_random`).
 With --train-dir, local mode's real batches (an encode stage's train split); else a synthetic
 reverse task with lengths 1-80 pieces.

@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 DRIVER = r"""
 import json, sys
 import ray
-from pipeline.train import stage as train
+from pipeline.train import driver as train
 from pipeline.config import load_config
 from pipeline.stage import Manifest, StageContext
 

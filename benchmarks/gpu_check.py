@@ -10,9 +10,9 @@ section that overruns it); a section that cannot run says why. Prints a table an
   tokens/s of the second (warm) half and MFU against --peak-flops, twice: `mfu_pct` (model FLOPs =
   6 x the matmul parameters each real token passes through, attention scores left out: a lower
   bound) and `mfu_counted_pct` (FLOPs counted by torch's FlopCounterMode on the steps measured,
-  pipeline/train/flops.py: the MFU `--plan --mfu-from gpu_check.json` bills with); compiled rows
+  pipeline/plan/flops.py: the MFU `--plan --mfu-from gpu_check.json` bills with); compiled rows
   also give `compiled_graphs`, the graphs torch.compile built (first compile + recompiles +
-  graph-break pieces; pipeline/train/compiled.py): a count that grows with the steps would mean a
+  graph-break pieces; pipeline/train/device.py): a count that grows with the steps would mean a
   recompile per batch shape;
 - host syncs per step (`torch.cuda.set_sync_debug_mode("warn")`), plain and log+checkpoint steps;
 - the loop's stall per checkpoint (`checkpoint.save` to local disk; uploads run in the background);
@@ -53,8 +53,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from model import ModelConfig  # noqa: E402
 from pipeline.config import Config  # noqa: E402
-from pipeline.train import batching  # noqa: E402
-from pipeline.train.flops import MicroShape, count_step_flops  # noqa: E402
+from pipeline.plan import step_groups  # noqa: E402
+from pipeline.plan.flops import MicroShape, count_step_flops  # noqa: E402
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer  # noqa: E402
 import scale_bench  # noqa: E402
 from gpu_sections import (checkpoint_stall, count_syncs, ddp_section, decode_section, fit_section,  # noqa: E402
@@ -185,20 +185,21 @@ def train(pr: Profile, size: str, compile_: bool, train_dir: Path, work: Path) -
     tps = trainer.metrics.last["train/tgt_tokens_per_s"]
     src_per_tgt = summary["tokens_seen"]["src"] / max(summary["tokens_seen"]["tgt"], 1)
     step_flops = model_flops_per_step(mc, int(pr.tokens_per_step * src_per_tgt), pr.tokens_per_step)
-    return {"tgt_tokens_per_s": tps, "model_flops_per_step": step_flops, "precision": trainer.precision,
+    return {"tgt_tokens_per_s": tps, "model_flops_per_step": step_flops, "precision": trainer.device_setup.precision,
             "params": sum(p.numel() for p in trainer.model.parameters()), "steps": steps,
             "counted_flops_per_tgt_token": counted_flops_per_tgt_token(trainer, mc, steps),
-            "compiled_graphs": trainer.compiler.num_graphs if trainer.compiler is not None else None,
+            "compiled_graphs": (trainer.device_setup.compiler.num_graphs if trainer.device_setup.compiler is not None
+                                else None),
             "batch_shapes": summary["batch_shapes"], "measured_steps": pr.measured_steps}, trainer
 
 
 def counted_flops_per_tgt_token(trainer: Trainer, mc: ModelConfig, steps: int, sample: int = 6) -> float:
-    """FlopCounterMode's FLOPs per target token (pipeline/train/flops.py, meta device) over up to
+    """FlopCounterMode's FLOPs per target token (pipeline/plan/flops.py, meta device) over up to
     `sample` of the measured (second-half) steps, split as the loop split them."""
     d, tc = trainer.train_data, trainer.tc
     plan = trainer.plan.groups(0)[steps - trainer.tc.log_interval_steps:steps][:sample]
     micro = [[MicroShape.of(d.src_len[c], d.tgt_len[c]) for c in
-              batching.split_step(g, d.src_len, d.tgt_len, 1, tc.max_tokens_per_batch).chunks[0] if len(c)]
+              step_groups.split_step(g, d.src_len, d.tgt_len, 1, tc.max_tokens_per_batch).chunks[0] if len(c)]
              for g in plan]
     flops = sum(count_step_flops(mc, m, tc.label_smoothing) for m in micro)
     return flops / max(sum(x.Mt for m in micro for x in m), 1)

@@ -43,7 +43,7 @@ def make_bundle(config: str, overrides: list[str], out: Path) -> Path:
     from pipeline.config import load_config
     from pipeline.models import finished_stages
     from pipeline import storage
-    from pipeline.train.size import model_config_for
+    from pipeline.models import model_config_for
 
     cfg = load_config(config, overrides)
     found = finished_stages(cfg, ["encode"], "gpu_multi30k bundle")

@@ -14,13 +14,16 @@ import numpy as np
 import torch
 
 from model import ModelConfig, Transformer, beam_search, make_optimizer, make_scheduler
-from pipeline.train import batching
+from pipeline.train import token_batches
+from pipeline.train.corpus import Corpus
+from pipeline.train.token_batches import BatchLayout
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.loop import Trainer
 from pipeline.train.feeder import HostBatcher
-from pipeline.train.flops import OpCounter
+from pipeline.plan.flops import OpCounter
 from pipeline.train.metrics import Window
-from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, to_device
+from pipeline.train.feeder import to_device
+from pipeline.train.step import LossSettings, accumulate_gradients, distributed, optimizer_step
 
 
 def count_syncs(trainer: Trainer, device: str, steps: int = 10) -> tuple[float, int]:
@@ -127,9 +130,10 @@ def fit_probe(pr: Any, mc: ModelConfig) -> Callable[[int], bool]:
         offsets = np.arange(rows + 1, dtype=np.int64) * L
         values = rng.integers(4, mc.vocab_size, size=rows * L).astype(np.int32)
         try:
-            b = batching.collate(np.arange(rows), values, offsets, values, offsets, mc.pad_id, mc.bos_id, mc.eos_id)
+            b = token_batches.collate(np.arange(rows), Corpus(values, offsets, values, offsets),
+                                      BatchLayout(mc.pad_id, mc.bos_id, mc.eos_id))
             mb = to_device(b, device)
-            accumulate_gradients(model, [mb], b.num_tgt_tokens, 1, 0.1, mc.pad_id, autocast)
+            accumulate_gradients(model, [mb], b.num_tgt_tokens, 1, LossSettings(0.1, mc.pad_id, autocast))
             optimizer_step(model, opt, sched, None, 0.0, want_norm=False)
             if device.type == "cuda":
                 torch.cuda.synchronize()

@@ -113,7 +113,7 @@ def write_corpus(out: Path, num_pairs: int, words: np.ndarray, seed: int = 0) ->
 # ------------------------------------------------------------------------------ one worker (child)
 
 
-def _time_loop_parts(loop, batching) -> dict[str, float]:
+def _time_loop_parts(loop, step_groups) -> dict[str, float]:
     """Wraps the loop's model work, epoch planning and checkpoints in timers; their seconds so far."""
     timers = {"model": 0.0, "plan": 0.0, "checkpoint": 0.0}
 
@@ -128,7 +128,7 @@ def _time_loop_parts(loop, batching) -> dict[str, float]:
 
     loop.accumulate_gradients = timed("model", loop.accumulate_gradients)
     loop.optimizer_step = timed("model", loop.optimizer_step)
-    batching.plan_epoch = timed("plan", batching.plan_epoch)
+    step_groups.plan_epoch = timed("plan", step_groups.plan_epoch)
     loop.Trainer._checkpoint = timed("checkpoint", loop.Trainer._checkpoint)
     return timers
 
@@ -171,7 +171,7 @@ def child(args: argparse.Namespace) -> None:
     """One worker of the real loop; prints its figures as JSON on the last line."""
     import torch
 
-    from pipeline.train import batching
+    from pipeline.plan import step_groups
     from pipeline.train import loop
 
     torch.set_num_threads(1)
@@ -180,7 +180,7 @@ def child(args: argparse.Namespace) -> None:
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank, world_size=world)
-    timers = _time_loop_parts(loop, batching)
+    timers = _time_loop_parts(loop, step_groups)
     corpus_pss = _measure_corpus_load(loop)
     spec = _tiny_model_spec(args, loop)
     t0 = time.perf_counter()

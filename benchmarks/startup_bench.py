@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODULES = ["ray", "ray.data", "ray.train", "mlflow", "torch", "sacrebleu", "pipeline.train.stage",
+MODULES = ["ray", "ray.data", "ray.train", "mlflow", "torch", "sacrebleu", "pipeline.train.driver",
            "pipeline.evaluate.translate"]
 
 READ = r"""

@@ -20,7 +20,7 @@ E. --cpu-bf16: the bare step in fp32 and under bf16 autocast, side by side, at l
    (d_model 128, 2+2 layers, vocab 4000, ~2500 target tokens) and at d_model 256, 3+3, vocab 8000
    (~2700 target tokens), and with --train-dir on local mode's real WMT batches; all threads;
    bf16 with each micro-batch's rows as they are and rounded up to 64 (what the loop does,
-   `pipeline.train.precision.row_multiple`); the ratio fp32 time / bf16 (x64) time.
+   `pipeline.train.device.row_multiple`); the ratio fp32 time / bf16 (x64) time.
 F. --convergence STEPS: the loop (A) for STEPS steps at local size in fp32 and in bf16, the same
    seed and batches; dev loss and ppl of both (bf16 should be within a small margin of fp32).
 """
@@ -40,12 +40,15 @@ import numpy as np
 import torch
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
-from pipeline.train import batching
+from pipeline.plan import step_groups
+from pipeline.train import token_batches
+from pipeline.train.token_batches import BatchLayout
 from pipeline.config import Config
 from pipeline.train.corpus import load_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
-from pipeline.train.precision import resolve_precision, row_multiple
-from pipeline.train.step import accumulate_gradients, optimizer_step, to_device
+from pipeline.train.device import resolve_precision, row_multiple
+from pipeline.train.feeder import to_device
+from pipeline.train.step import LossSettings, accumulate_gradients, optimizer_step
 from tests.support.synthetic import write_reverse_task
 
 
@@ -81,19 +84,18 @@ def run_loop(spec: dict, work: Path, device: str) -> dict:
 
 def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device, multiple: int = 0):
     """Every step's micro-batches, as the loop would cut them, collated up front; their rows rounded
-    up to `multiple` (0 = as the loop does in train.precision on `device`: `precision.row_multiple`)."""
+    up to `multiple` (0 = as the loop does in train.precision on `device`: `device.row_multiple`)."""
     multiple = multiple or row_multiple(resolve_precision(cfg.train.precision, device), device)
     d = load_corpus(spec["train_dir"])
     t = cfg.train
-    rows = np.flatnonzero(batching.keep_mask(d.src_len, d.tgt_len, t.max_len))
+    rows = np.flatnonzero(step_groups.keep_mask(d.src_len, d.tgt_len, t.max_len))
     steps, epoch = [], 0
     while len(steps) < t.max_steps:
-        for group in batching.plan_epoch(rows, d.src_len, d.tgt_len, t.tokens_per_step, t.seed, epoch):
-            split = batching.split_step(group, d.src_len, d.tgt_len, 1, t.max_tokens_per_batch)
-            mbs = [to_device(batching.collate(r, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
-                                              mc.pad_id, mc.bos_id, mc.eos_id, multiple, mc.max_positions), device)
+        for group in step_groups.plan_epoch(rows, d.src_len, d.tgt_len, t.tokens_per_step, t.seed, epoch):
+            split = step_groups.split_step(group, d.src_len, d.tgt_len, 1, t.max_tokens_per_batch)
+            mbs = [to_device(token_batches.collate(r, d, BatchLayout.of(mc, multiple)), device)
                    for r in split.for_worker(0)]
-            steps.append((mbs, int(batching.target_tokens(d.tgt_len[group]).sum())))
+            steps.append((mbs, int(step_groups.target_tokens(d.tgt_len[group]).sum())))
             if len(steps) == t.max_steps:
                 break
         epoch += 1
@@ -114,7 +116,7 @@ def run_bare(steps, cfg: Config, mc: ModelConfig, device: torch.device, precisio
     t0 = time.perf_counter()
     tokens = 0
     for mbs, n_tgt in steps:
-        accumulate_gradients(model, mbs, n_tgt, 1, cfg.train.label_smoothing, mc.pad_id, autocast)
+        accumulate_gradients(model, mbs, n_tgt, 1, LossSettings(cfg.train.label_smoothing, mc.pad_id, autocast))
         optimizer_step(model, opt, sched, None, 0.0, want_norm=False)
         tokens += n_tgt
     if device.type == "cuda":
@@ -195,7 +197,7 @@ def ray_main(args) -> None:
     import os
 
     from pipeline.ray_env import start_local_ray
-    from pipeline.train.stage import fit
+    from pipeline.train.driver import fit
 
     cpus = os.cpu_count() or 1
     logging.basicConfig(level=logging.WARNING)
@@ -244,7 +246,7 @@ def cpu_bf16_main(args) -> None:
     """E and F: fp32 vs bf16 autocast on this CPU (all threads)."""
     import os
 
-    from pipeline.train.precision import cpu_bf16_features
+    from pipeline.train.device import cpu_bf16_features
 
     torch.set_num_threads(os.cpu_count() or 1)
     logging.basicConfig(level=logging.WARNING)

@@ -41,7 +41,7 @@ class Positions:
 class NonPad:
     """`Transformer.forward`'s request to compute the decoder at the non-pad target positions only
     (the loss needs no other), with the flat non-pad positions of the source and the decoder input
-    when the caller has them (`pipeline.train.batching.collate` computes them on the host, so a
+    when the caller has them (`pipeline.train.token_batches.collate` computes them on the host, so a
     step needs no device-to-host sync to find them); None: found on the device."""
 
     src_index: torch.Tensor | None = None  # (Ms,) flat non-pad positions of src_ids

@@ -41,8 +41,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("prepare", "1", _CLEANING, ("download",), "pipeline.data.prepare:run"),
     Stage("vocab", "1", ("vocab",), ("prepare",), "pipeline.data.vocab:run"),
     Stage("encode", "1", (), ("prepare", "vocab"), "pipeline.data.encode:run"),
-    Stage("train", "1", ("model", "train"), ("encode", "vocab"), "pipeline.train.stage:run",
-          resumable=True, checksum_files=False, forget="pipeline.train.stage:forget_run",
+    Stage("train", "1", ("model", "train"), ("encode", "vocab"), "pipeline.train.driver:run",
+          resumable=True, checksum_files=False, forget="pipeline.train.driver:forget_run",
           resume="pipeline.train.resume:resume_point"),
     # Selecting by dev BLEU reads the settings that decide those numbers ("last" keeps its key).
     Stage("average", "1", ("eval.average_last",), ("train",), "pipeline.evaluate.average:run",

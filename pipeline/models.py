@@ -1,5 +1,6 @@
 """Which trained model to use, the one lookup of the project: ``serve run``, the translate CLI and
-``benchmarks/decode_bench.py`` all call ``find_model``.
+``benchmarks/decode_bench.py`` all call ``find_model``. A config's own `ModelConfig` (its sizes at
+the vocab stage's vocabulary) is ``model_config_for``'s.
 
 Three ways to name a model, exactly one per call:
 
@@ -22,7 +23,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from model import ModelConfig
 from pipeline import storage
+from pipeline.config import Config
 from pipeline.dag import BY_NAME, ORDER, compute_keys, manifest_digest, read_manifest, stage_dir, upstream_closure
 from pipeline.stage import MANIFEST, Manifest
 
@@ -31,6 +34,14 @@ log = logging.getLogger(__name__)
 
 # data.* keys of the text the model was trained on (pipeline.decoding.text.TextFormat's fields)
 TEXT_KEYS = ("preprocess", "src_lang", "tgt_lang")
+
+
+def model_config_for(cfg: Config, vocab: dict[str, Any]) -> ModelConfig:
+    """The one place where the config's `model` section and the vocab stage's outputs become a
+    `ModelConfig`: `cfg.model` sizes + the vocabulary's size and special ids (the train stage,
+    --plan's bill, Table 3)."""
+    return ModelConfig.of(cfg.model, int(vocab["vocab_size"]), pad_id=int(vocab.get("pad_id", 0)),
+                          bos_id=int(vocab.get("bos_id", 2)), eos_id=int(vocab.get("eos_id", 3)))
 
 
 class ModelNotFound(ValueError):

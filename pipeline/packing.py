@@ -1,8 +1,8 @@
 """Token-bucket packing, the one definition: positions grouped by length under a padded-token cap.
 
-Used by decoding's batches (``pipeline.decoding.batching.plan_batches``) and validation's
-(``plan_eval_batches`` in pipeline/train). Pure Python on a list of lengths, so any phase can
-import it (the core imports no stage).
+Used by decoding's batches (``pipeline.decoding.batching.plan_batches``) and the dev loss's
+(``pipeline.plan.step_groups.plan_eval_batches``). Pure Python on a list of
+lengths, so any phase can import it (the core imports no stage).
 """
 
 from __future__ import annotations

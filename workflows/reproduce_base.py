@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(runner.format_plan(plans), flush=True)
     if args.plan:
-        from pipeline.train.size import num_parameters
+        from pipeline.plan.bill import num_parameters
 
         print(f"model: {num_parameters(cfg) / 1e6:.1f}M parameters at vocab.size {cfg.vocab.size}", flush=True)
         try:

@@ -70,7 +70,7 @@ def row_result(row: str, cfg: Config, outcome: sweep.Outcome) -> dict[str, Any]:
     """The row's table entry: its numbers when it finished, else the stage and the reason it failed."""
     from pipeline.decoding.bleu import paper_metric
     from pipeline.decoding.dev_bleu_records import table3_dev_bleu
-    from pipeline.train.size import num_parameters
+    from pipeline.plan.bill import num_parameters
 
     entry: dict[str, Any] = {"row": row, "params": num_parameters(cfg), "status": "done",
                              "started": _iso(outcome.started), "finished": _iso(outcome.finished),
@@ -144,7 +144,7 @@ def _load(args: argparse.Namespace, overrides: list[str]) -> tuple[Config, dict[
 
 
 def print_plans(cfgs: dict[str, Config]) -> None:
-    from pipeline.train.size import num_parameters
+    from pipeline.plan.bill import num_parameters
 
     for row, cfg in cfgs.items():
         paper = "not given" if PAPER[row][3] is None else f"{PAPER[row][3]}M"

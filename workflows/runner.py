@@ -159,18 +159,20 @@ def format_plan(plans: list[StagePlan]) -> str:
 
 
 def format_bill(cfg: Config, plans: list[StagePlan], mfu_from: str = "") -> str:
-    """The train stage's bill for ``--plan`` (pipeline/train/bill.py): at the cached vocab's size
+    """The train stage's bill for ``--plan`` (pipeline/plan/bill.py): at the cached vocab's size
     and the cached encode stage's training lengths when there are, else at ``vocab.size`` and
     stated assumed lengths."""
-    from pipeline.train import bill
-    from pipeline.train.size import model_config_for
+    from pipeline.models import model_config_for
+    from pipeline.plan import bill
+    from pipeline.train.corpus import load_lengths
 
     by_name = {p.stage.name: p for p in plans}
     vocab, encode = by_name["vocab"].manifest, by_name["encode"].manifest
     mc = model_config_for(cfg, vocab.outputs if vocab else {"vocab_size": cfg.vocab.size})
     if encode is None:
         return bill.make_bill(cfg, mc, mfu_from=mfu_from, shapes=True).format()
-    return bill.for_train_dir(cfg, mc, encode.outputs["splits"]["train"]["dir"], mfu_from, shapes=True).format()
+    lengths = load_lengths(encode.outputs["splits"]["train"]["dir"])
+    return bill.for_lengths(cfg, mc, lengths, mfu_from, shapes=True).format()
 
 
 def _file_list(out_dir: str, checksum: bool) -> list[dict[str, Any]]:

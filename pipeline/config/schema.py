@@ -120,7 +120,7 @@ class VocabConfig:
 @dataclass
 class ModelSection(ModelSizes):
     """The Transformer's sizes: `model.config.ModelSizes`' fields, defaults (Table 3, base) and
-    checks; vocab_size and special ids come from ``vocab`` (`pipeline.train.size.model_config_for`)."""
+    checks; vocab_size and special ids come from ``vocab`` (`pipeline.models.model_config_for`)."""
 
     def validate(self) -> None:
         try:
@@ -139,11 +139,11 @@ class TrainConfig:
     num_workers: int | list[int] = op(8)
     elastic_resize_interval_s: float = op(60.0)  # Ray's ScalingConfig(elastic_resize_monitor_interval_s)
     # "auto": GPU workers when the Ray cluster has a GPU, else CPU workers; true: GPUs or an error
-    # before anything starts; false: CPUs (pipeline/train/stage.py, gpu_training).
+    # before anything starts; false: CPUs (pipeline/train/driver.py, gpu_training).
     use_gpu: bool | Auto = op("auto")
     # "auto": bf16 autocast where the device does bf16 natively (CUDA; a CPU with AVX512-BF16 or
     # AMX), else fp32 (fp16 on a GPU without bf16). "bf16" on a CPU without it is an error.
-    precision: Precision = op("auto")  # (pipeline/train/precision.py)
+    precision: Precision = op("auto")  # (pipeline/train/device.py)
     max_tokens_per_batch: int = op(12500)  # per worker micro-batch cap (src or tgt tokens)
     tokens_per_step: int = 25000  # §5.1: ~25000 target tokens per optimizer step
     max_steps: int = 100_000  # §5.3: base model trained 100k steps
@@ -173,13 +173,13 @@ class TrainConfig:
     # torch.compile(dynamic=True) the model: "auto" = on a GPU (small models are bound by Python's
     # kernel launches there), eager on a CPU (compiling costs minutes there and gains little).
     compile: bool | Auto = op("auto")
-    # Micro-batches padded to a few fixed shapes (pipeline/train/shapes.py): "auto" = on a GPU, where
+    # Micro-batches padded to a few fixed shapes (pipeline/plan/shapes.py): "auto" = on a GPU, where
     # every new shape costs a cuDNN attention plan and GEMM choices; a CPU rounds positions to 64
-    # in bf16 only (precision.row_multiple).
+    # in bf16 only (pipeline.train.device.row_multiple).
     shape_buckets: bool | Auto = op("auto")
     # The scaled-dot-product-attention kernel on a GPU: "auto" = the fastest of flash,
     # memory-efficient and cuDNN on this GPU, timed at the worker's start on a training-sized shape
-    # (pipeline/train/attention.py); or one of them, or "math". A CPU keeps PyTorch's own choice.
+    # (pipeline/train/device.py); or one of them, or "math". A CPU keeps PyTorch's own choice.
     attention_backend: AttentionBackend = op("auto")
     # The output projection fused with the label-smoothed loss, in row chunks (model/loss.py,
     # linear_label_smoothed_nll): no (tokens x vocabulary) logits, bf16 or fp32, are ever held.
@@ -207,7 +207,7 @@ class TrainConfig:
     # when its validation task ends); "val_loss": the dev loss every train.eval_interval_steps.
     early_stop_patience: int = keyed_if_set(0)
     early_stop_metric: EarlyStopMetric = keyed_if_set("dev_bleu")
-    # The bill --plan prints (pipeline/train/bill.py): the GPU each worker has, and the MFU it
+    # The bill --plan prints (pipeline/plan/bill.py): the GPU each worker has, and the MFU it
     # assumes unless a benchmarks/gpu_check.sh JSON (mfu_from, or --mfu-from) measured one.
     gpu_type: str = op("A100")
     mfu_from: str = op("")
@@ -293,7 +293,7 @@ class EvalConfig(DecodeSettings):
     # for the first N short test sentences, drawn by `score` beside its report and logged to MLflow.
     attention_sentences: int = 3
     # Dev BLEU per registered checkpoint while training runs (Ray Train's asynchronous validation,
-    # pipeline/train/dev_bleu.py). Operational for `train` (no key reads the eval section);
+    # pipeline/train/dev_bleu_validation.py). Operational for `train` (no key reads the eval section);
     # the four settings below decide the numbers, so `average` keys on them when it selects by them.
     dev_bleu: bool = op(True)
     dev_bleu_sentences: int = 0  # 0 = the whole dev split; else its first N sentences

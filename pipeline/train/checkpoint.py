@@ -12,6 +12,8 @@
 
 Ray Train uploads the folder and registers it only after `ray.train.report` returns; a folder a
 crash leaves half-uploaded is never registered, so never restored nor listed in the outputs.
+
+`Cadence` says which steps log, validate and checkpoint; `Checkpointer` writes and restores.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from pipeline.config import TrainConfig
 
@@ -145,6 +148,47 @@ def report(session: Any, step: int, metrics: dict[str, Any], upload_async: bool,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# When a step logs, validates or checkpoints (`train.*_interval_*`): one place for the rules.
+#
+# Every worker reaches the same decision at the same step without talking, except for the
+# time-based checkpoint (`train.checkpoint_interval_s`): wall clocks differ between workers, so
+# rank 0 decides and broadcasts, which waits for the device. That is asked on log steps only
+# (which all workers reach together), so a step that neither logs nor checkpoints never syncs,
+# and a time-based checkpoint comes at most `train.log_interval_steps` late.
+
+
+class Cadence:
+    """The interval rules of one worker; `checkpointed()` restarts the checkpoint clock."""
+
+    def __init__(self, tc: TrainConfig, world: int, device: torch.device, validates: bool):
+        self.tc, self.world, self.device, self.validates = tc, world, device, validates
+        self.last_checkpoint_t = time.monotonic()
+
+    def _every(self, step: int, interval: int) -> bool:
+        return step % interval == 0 or step == self.tc.max_steps
+
+    def logs(self, step: int) -> bool:
+        return self._every(step, self.tc.log_interval_steps)
+
+    def validates_at(self, step: int) -> bool:
+        return self.validates and self._every(step, self.tc.eval_interval_steps)
+
+    def checkpoints_at(self, step: int) -> bool:
+        if self._every(step, self.tc.checkpoint_interval_steps):
+            return True
+        if self.tc.checkpoint_interval_s <= 0 or not self.logs(step):
+            return False
+        flag = torch.tensor([int(time.monotonic() - self.last_checkpoint_t >= self.tc.checkpoint_interval_s)],
+                            device=self.device)
+        if self.world > 1:
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def checkpointed(self) -> None:
+        self.last_checkpoint_t = time.monotonic()
+
+
 class Checkpointer:
     """One worker's checkpoints in the loop: the latest one restored (`restore`), a new one written
     by rank 0 and reported by every rank (`write`), restarting the checkpoint clock of `cadence`.
@@ -153,7 +197,7 @@ class Checkpointer:
     and scaler (the keyword arguments of `save` and `load`)."""
 
     def __init__(self, session: Any, rank: int, device: torch.device, tc: TrainConfig, state: dict[str, Any],
-                 cadence: Any, model_config: dict[str, Any], extra: dict[str, Any]):
+                 cadence: Cadence, model_config: dict[str, Any], extra: dict[str, Any]):
         self.session, self.rank, self.device, self.tc = session, rank, device, tc
         self.state, self.cadence, self.model_config, self.extra = state, cadence, model_config, extra
 

@@ -2,7 +2,7 @@
 
 Loader choice: every worker indexes the two id columns as flat int32 arrays + offsets (WMT14
 EN-DE: ~4.5M pairs, ~1.1 GB; EN-FR: ~36M pairs, ~9 GB). Batches are plain index gathers
-(`pipeline.train.batching.collate`), so:
+(`pipeline.train.token_batches.collate`), so:
 - the batch plan is global and deterministic (seed, epoch), identical on every worker, and
   independent of the number of workers: no shuffle service, no per-worker shard assignment;
 - resume is exact: a data position is (epoch, step index in the epoch), nothing to replay;
@@ -64,8 +64,8 @@ class Corpus:
     src_offsets: np.ndarray  # int64 (num_rows + 1,)
     tgt_values: np.ndarray
     tgt_offsets: np.ndarray
-    # Pieces per row (int32), computed once: a per-step np.diff over the whole corpus cost
-    # 24 ms at 4.5M pairs and 164 ms at 36M (issue 9), more than a GPU step.
+    # Pieces per row (int32), computed once: a per-step np.diff over the whole corpus costs more
+    # than a GPU step at WMT sizes (docs/benchmarks.md, scale_bench).
     src_len: np.ndarray = field(default=None)  # type: ignore[assignment]
     tgt_len: np.ndarray = field(default=None)  # type: ignore[assignment]
     files: dict[str, Path] | None = None  # the mapped .npy file of each array (shared copy only)
@@ -135,9 +135,10 @@ def _map_npy(path: Path) -> np.ndarray:
     """A read-only ndarray over a shared, pre-populated memory map of an .npy file.
 
     MAP_POPULATE maps every page at start-up (from the page cache, which the node's first worker
-    filled): a step's random rows then never page-fault. Faulting on demand cost ~6 ms per step at
-    36M pairs, and up to ~80 ms in the prefetch thread, whose faults hold the GIL the training
-    thread needs. A plain ndarray, not np.memmap, whose indexing costs ~0.5 ms more per step."""
+    filled): a step's random rows then never page-fault. Faulting on demand costs time every step at
+    WMT sizes, most of it in the prefetch thread, whose faults hold the GIL the training thread
+    needs (docs/benchmarks.md, scale_bench). A plain ndarray, not np.memmap, whose indexing costs
+    more per step."""
     with open(path, "rb") as f:
         version = np.lib.format.read_magic(f)
         read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)

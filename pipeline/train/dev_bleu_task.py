@@ -1,6 +1,6 @@
 """Ray Train's validation task for dev BLEU (``validate_checkpoint``): one registered checkpoint.
 
-Run by Ray Train in a task of its own (``pipeline/train/dev_bleu.py`` builds its config). It skips
+Run by Ray Train in a task of its own (``pipeline/train/dev_bleu_validation.py`` builds its config). It skips
 a checkpoint that is no longer the newest registered one (a backlog drains to the newest), scores
 the others (``pipeline.decoding.dev_bleu.score_checkpoint``), writes a record for each
 (``pipeline.decoding.dev_bleu_records``) and logs the scores to the train stage's MLflow run at the

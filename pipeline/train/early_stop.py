@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import ConfigError, TrainConfig
-from pipeline.train.cadence import Cadence
-from pipeline.train.checkpoint import Progress
+from pipeline.train.checkpoint import Cadence, Progress
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,8 @@ HIGHER_IS_BETTER = {"dev_bleu": True, "val_loss": False}
 
 @dataclass
 class EarlyStop:
-    """The count over one run's validations; `observe` says when to stop."""
+    """The rule over one run's validations: the count since the best value; `observe` says when to
+    stop (`EarlyStopDecision` applies it in the loop)."""
 
     patience: int  # > 0
     metric: str  # "dev_bleu" | "val_loss"
@@ -120,8 +120,8 @@ def agree(stop: bool, device: torch.device, world: int) -> bool:
     return bool(flag.item())
 
 
-class LoopStop:
-    """Early stopping in the training loop (`pipeline.train.loop.Trainer`): the `EarlyStop` count
+class EarlyStopDecision:
+    """The training loop's early-stop decision (`pipeline.train.loop.Trainer`): the `EarlyStop` rule
     over its metric's values, rebuilt at a resume (`resume`), and the decision at a step (`decide`):
     rank 0's, agreed by all."""
 
@@ -133,7 +133,7 @@ class LoopStop:
 
     @classmethod
     def for_loop(cls, tc: TrainConfig, validates: bool, dev_bleu_dir: str, rank: int, world: int,
-                 device: torch.device) -> "LoopStop | None":
+                 device: torch.device) -> "EarlyStopDecision | None":
         """None when early stopping is off; a ConfigError when its metric has no values."""
         if not tc.early_stop_patience:
             return None

@@ -28,18 +28,13 @@ import logging
 from typing import Any
 
 from pipeline.config import Config
+from pipeline.plan.step_groups import worker_range
 
 log = logging.getLogger(__name__)
 
 
 class ElasticConfigError(ValueError):
     """`train.num_workers` cannot work on this cluster; raised before any worker starts."""
-
-
-def worker_range(cfg: Config) -> tuple[int, int]:
-    """(min, max) workers: (N, N) for a fixed count."""
-    n = cfg.train.num_workers
-    return (int(n[0]), int(n[1])) if isinstance(n, list) else (int(n), int(n))
 
 
 def is_elastic(cfg: Config) -> bool:

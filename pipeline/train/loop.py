@@ -1,31 +1,31 @@
 """The per-worker training loop: the paper's recipe (§5) on token-bucketed steps.
 
-Runs inside each Ray Train worker (`pipeline.train.stage` gives it a `RaySession`) or in-process
+Runs inside each Ray Train worker (`pipeline.train.driver` gives it a `RaySession`) or in-process
 for tests and benchmarks (`LocalSession`); it imports neither Ray nor MLflow.
 
 One optimizer step = one step group of ~`train.tokens_per_step` target tokens
-(`pipeline.train.batching`), cut into `world_size * accum` micro-batches; every worker computes
+(`pipeline.plan.step_groups`), cut into `world_size * accum` micro-batches; every worker computes
 the same global plan and takes its share. The `Trainer` is the loop; each of its parts is a unit
 of its own:
 
-    pipeline.train.feeder     the step groups of each epoch (StepPlan); this worker's host batches
-                              of a step, built one step ahead
-    pipeline.train.step       one step on the device: accumulation, loss normalization, Adam
-    pipeline.train.metrics    the window since the last log line, the progress line, MLflow
-    pipeline.train.validate   dev loss and perplexity
-    pipeline.train.cadence    which steps log, validate, checkpoint
-    pipeline.train.early_stop when the dev metric has stopped improving (train.early_stop_patience;
-                              LoopStop: the loop's decision, rebuilt at a resume)
-    pipeline.train.compiled   torch.compile with a count of its (re)compilations (train.compile)
-    pipeline.train.checkpoint the checkpoint folder, restored, written and reported (Checkpointer)
-    pipeline.train.session    Ray Train or the test process (and wrappers around them)
+    pipeline.train.device      how the worker runs on its device (WorkerDevice): precision and
+                               autocast, the loss settings, torch.compile, the attention kernel
+    pipeline.train.feeder      the step groups of each epoch (StepPlan); this worker's StepBatch
+                               of a step, built one step ahead, and its upload to the device
+    pipeline.train.step        one step on the device: accumulation, loss normalization, Adam
+    pipeline.train.metrics     the window since the last log line, the progress line, MLflow
+    pipeline.train.dev_loss    dev loss and perplexity (DevLoss)
+    pipeline.train.checkpoint  which steps log, validate, checkpoint (Cadence); the checkpoint
+                               folder, restored, written and reported (Checkpointer)
+    pipeline.train.early_stop  the EarlyStop rule (train.early_stop_patience) and the loop's
+                               EarlyStopDecision, rebuilt at a resume
+    pipeline.train.session     Ray Train or the test process (and wrappers around them)
 
 Per-step dropout seeds make a resumed run replay the steps it lost exactly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -36,21 +36,18 @@ import torch
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
 from pipeline.config import from_dict as config_from_dict
 from pipeline.config.devices import on_for
-from pipeline.train import elastic, preemption
-from pipeline.train.attention import attention_context
-from pipeline.train.cadence import Cadence
-from pipeline.train.checkpoint import Checkpointer, Progress
-from pipeline.train.compiled import compile_model
-from pipeline.train.corpus import load_corpus, load_shared_corpus
-from pipeline.train.early_stop import LoopStop
-from pipeline.train.feeder import Feeder, HostBatcher, HostBatches, StepPlan
-from pipeline.train.metrics import TrainLog, Window
-from pipeline.train.shapes import ShapeBuckets
-from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
-from pipeline.train.precision import resolve_precision, row_multiple
-from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, step_seed, upload
-from pipeline.train.validate import Validator
+from pipeline.plan.shapes import ShapeBuckets
 from pipeline.tracking import spool_dir_for  # imports no MLflow (it loads lazily)
+from pipeline.train import elastic, preemption
+from pipeline.train.checkpoint import Cadence, Checkpointer, Progress
+from pipeline.train.corpus import load_corpus, load_shared_corpus
+from pipeline.train.dev_loss import DevLoss
+from pipeline.train.device import WorkerDevice
+from pipeline.train.early_stop import EarlyStopDecision
+from pipeline.train.feeder import Feeder, HostBatcher, StepBatch, StepPlan, upload
+from pipeline.train.metrics import TrainLog, Window
+from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
+from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, step_seed
 
 log = logging.getLogger(__name__)
 
@@ -81,64 +78,40 @@ class Trainer:
     def __init__(self, spec: LoopSpec, session: Session, cpu_kernels: bool = True):
         self.spec, self.session = spec, session
         self.cfg = config_from_dict(spec.cfg)
-        self.tc = self.cfg.train
+        self.tc = tc = self.cfg.train
         self.mcfg = ModelConfig.from_dict(spec.model_config)
         self.device, self.rank, self.world = session.device, session.rank, session.world_size
-        self._setup_device(spec.num_threads)
-        self.train_data = load_shared_corpus(spec.train_dir, self.tc.corpus_cache_dir or None)
-        self.plan = StepPlan(self.train_data, self.tc.max_len, self.tc.tokens_per_step, self.tc.seed)
-        torch.manual_seed(self.tc.seed)  # identical initial weights on every worker
+        self.device_setup = WorkerDevice(tc, self.device, spec.num_threads)
+        self.train_data = load_shared_corpus(spec.train_dir, tc.corpus_cache_dir or None)
+        self.plan = StepPlan(self.train_data, tc.max_len, tc.tokens_per_step, tc.seed)
+        torch.manual_seed(tc.seed)  # identical initial weights on every worker
         self.model = Transformer(self.mcfg, cpu_kernels=cpu_kernels).to(self.device)
         # train.shape_buckets: fixed shapes on a GPU, for the steps and the dev batches alike
-        buckets = ShapeBuckets() if on_for(self.tc.shape_buckets, self.device.type) else None
-        # train.fused_loss: the output projection fused with the loss (its weight, its matmul dtype)
-        self.fused_output = ((self.model.output_proj.weight, self.autocast_dtype or torch.float32)
-                             if on_for(self.tc.fused_loss, self.device.type) else None)
-        self.validate = (Validator(load_corpus(spec.dev_dir), self.mcfg, self.tc.max_tokens_per_batch,
-                                   self.tc.label_smoothing, self.autocast, self.rank, self.world, self.device,
-                                   buckets, self.fused_output)
-                         if spec.dev_dir else None)
-        self.optimizer = make_optimizer(self.model, betas=(self.tc.adam_beta1, self.tc.adam_beta2),
-                                        eps=self.tc.adam_eps)
-        self.scheduler = make_scheduler(self.optimizer, self.mcfg.d_model, self.tc.warmup_steps, self.tc.lr_scale)
-        # fp16 (GPUs without bf16): loss scaling; the device's own scaler (tests drive it on the CPU)
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
-        self.forward_model: torch.nn.Module = self.model  # what steps call (compiled if asked)
-        self.compiler = None  # counts the graphs torch.compile made (pipeline.train.compiled)
-        if on_for(self.tc.compile, self.device.type):
-            self.forward_model, self.compiler = compile_model(self.model, self.tc.compile_backend)
-        self.attention, why = attention_context(self.tc.attention_backend, self.device, self.mcfg.n_heads,
-                                                self.model.decoder_layers[0].self_attn.heads.hs,
-                                                self.autocast_dtype or torch.float32)
+        buckets = ShapeBuckets() if on_for(tc.shape_buckets, self.device.type) else None
+        self.loss_settings = self.device_setup.loss_settings(self.model, tc.label_smoothing, self.mcfg.pad_id)
+        self.dev_loss = (DevLoss(load_corpus(spec.dev_dir), self.mcfg, tc.max_tokens_per_batch, self.loss_settings,
+                                 self.rank, self.world, self.device, buckets) if spec.dev_dir else None)
+        self.optimizer = make_optimizer(self.model, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps)
+        self.scheduler = make_scheduler(self.optimizer, self.mcfg.d_model, tc.warmup_steps, tc.lr_scale)
+        self.forward_model = self.device_setup.compile(self.model)  # what the steps call
+        why = self.device_setup.choose_attention(self.mcfg.n_heads, self.model.decoder_layers[0].self_attn.heads.hs)
         if self.rank == 0:
             log.info("%s", why)
         # This worker's host batches; it counts the shapes it made.
-        self.batcher = HostBatcher(self.train_data, self.mcfg, self.rank, self.world, self.tc.max_tokens_per_batch,
-                                   self.device, row_multiple(self.precision, self.device), buckets)
+        self.batcher = HostBatcher(self.train_data, self.mcfg, self.rank, self.world, tc.max_tokens_per_batch,
+                                   self.device, self.device_setup.row_multiple, buckets)
         self.progress = Progress()
-        self.cadence = Cadence(self.tc, self.world, self.device, validates=self.validate is not None)
-        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler}
-        extra = {"seed": self.tc.seed, "world_size": self.world, "num_dropped": self.plan.num_dropped}
-        self.checkpoints = Checkpointer(session, self.rank, self.device, self.tc, state, self.cadence,
+        self.cadence = Cadence(tc, self.world, self.device, validates=self.dev_loss is not None)
+        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
+                 "scaler": self.loss_settings.scaler}
+        extra = {"seed": tc.seed, "world_size": self.world, "num_dropped": self.plan.num_dropped}
+        self.checkpoints = Checkpointer(session, self.rank, self.device, tc, state, self.cadence,
                                         spec.model_config, extra)
-        self.early_stop = LoopStop.for_loop(self.tc, self.validate is not None, spec.dev_bleu_dir, self.rank,
-                                            self.world, self.device)
+        self.early_stop = EarlyStopDecision.for_loop(tc, self.dev_loss is not None, spec.dev_bleu_dir, self.rank,
+                                                     self.world, self.device)
         self.start_step = 0  # the step this attempt resumed from
-        self.metrics = TrainLog(self.progress, self.tc.max_steps, self.rank, self.world, self.device,
-                                spec.tracking_uri, spec.run_id, self.cfg.tracking.buffer_s,
-                                spool_dir_for(self.cfg))
-
-    def _setup_device(self, num_threads: int) -> None:
-        if num_threads > 0:
-            torch.set_num_threads(num_threads)  # Ray's OMP_NUM_THREADS may say otherwise
-        if self.device.type == "cpu":
-            torch.set_flush_denormal(True)  # denormals slow CPU matmuls many-fold late in training
-        else:
-            torch.cuda.set_device(self.device)
-        self.precision = resolve_precision(self.tc.precision, self.device)
-        dtype = self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
-        self.autocast = ((lambda: torch.autocast(self.device.type, dtype=dtype)) if dtype is not None
-                         else contextlib.nullcontext)
+        self.metrics = TrainLog(self.progress, tc.max_steps, self.rank, self.world, self.device,
+                                spec.tracking_uri, spec.run_id, self.cfg.tracking.buffer_s, spool_dir_for(self.cfg))
 
     def restore(self) -> None:
         progress = self.checkpoints.restore()
@@ -155,11 +128,6 @@ class Trainer:
         model = distributed(self.forward_model, self.device, self.world, self.tc.grad_compression)
         p, tc = self.progress, self.tc
         self._log_start()
-        if self.rank == 0:
-            log.info("training from step %d to %d on %d worker(s), %s; %d pairs kept, %d dropped "
-                     "(> train.max_len=%d pieces); %d steps in epoch %d", p.step, tc.max_steps, self.world,
-                     self.precision, len(self.plan.rows), self.plan.num_dropped, tc.max_len,
-                     len(self.plan.groups(p.epoch)), p.epoch)
         window, t_attempt, time_base = Window(), time.perf_counter(), p.train_time_s
         feeder = Feeder(self.batcher, prefetch=tc.prefetch)
         notice = preemption.Agreement(tc.preemption_grace_s, self.rank, self.world) if tc.preemption_grace_s else None
@@ -175,11 +143,7 @@ class Trainer:
                 p.step, p.step_in_epoch = p.step + 1, p.step_in_epoch + 1
                 p.train_time_s = time_base + time.perf_counter() - t_attempt
                 if self.cadence.logs(p.step):
-                    self.metrics.log_window(window)
-                    window = Window()
-                    if self.rank == 0:
-                        self.metrics.log({"train/batch_shapes": float(len(self.batcher.shapes)), **(
-                            {"train/compiled_graphs": float(self.compiler.num_graphs)} if self.compiler is not None else {})})
+                    window = self._log_window(window)
                 if self.cadence.validates_at(p.step):
                     self._validate(model)
                 # then the checkpoint of this step records it
@@ -196,41 +160,54 @@ class Trainer:
             if notice is not None:
                 notice.close()
             self.metrics.close()
-        return self.summary()
+        return summary(self)
 
     def _log_start(self) -> None:
-        """World size and accumulation at the resume step (elastic runs change them)."""
-        p = self.progress
+        """World size and accumulation at the resume step (elastic runs change them), and where it starts."""
+        p, tc = self.progress, self.tc
         previous_world, p.world_size = p.world_size or None, self.world
         group, _ = self.plan.at(p.epoch, p.step_in_epoch)
         if group is not None:
-            accum = self.plan.accum(group, self.world, self.tc.max_tokens_per_batch)
+            accum = self.plan.accum(group, self.world, tc.max_tokens_per_batch)
             elastic.log_start(self.metrics.tracker, self.rank, p.step, self.world, accum, previous_world)
+        if self.rank == 0:
+            log.info("training from step %d to %d on %d worker(s), %s; %d pairs kept, %d dropped "
+                     "(> train.max_len=%d pieces); %d steps in epoch %d", p.step, tc.max_steps, self.world,
+                     self.device_setup.precision, len(self.plan.rows), self.plan.num_dropped, tc.max_len,
+                     len(self.plan.groups(p.epoch)), p.epoch)
 
-    def _train_step(self, model: torch.nn.Module, host: HostBatches, window: Window,
+    def _train_step(self, model: torch.nn.Module, host: StepBatch, window: Window,
                     start_prefetch: Any = None) -> None:
         p, tc = self.progress, self.tc
-        host_micro, step_tgt, step_src = host
-        micro = [upload(mb, self.device) for mb in host_micro]
+        micro = [upload(mb, self.device) for mb in host.micro_batches]
         torch.manual_seed(step_seed(tc.seed, self.rank, p.step + 1))
         model.train()
         if start_prefetch is not None:
             # Started here, not before the set-up above: the prefetch thread's Python holds the GIL
             # in bursts, and the model's kernels (which release it) are what it should overlap.
             start_prefetch()
-        with self.attention():
-            loss, nll = accumulate_gradients(model, micro, step_tgt, self.world, tc.label_smoothing,
-                                             self.mcfg.pad_id, self.autocast, self.scaler, self.fused_output)
+        with self.device_setup.attention():
+            loss, nll = accumulate_gradients(model, micro, host.tgt_tokens, self.world, self.loss_settings)
         lr = self.optimizer.param_groups[0]["lr"]
-        norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.scaler, tc.clip_norm,
+        norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.loss_settings.scaler, tc.clip_norm,
                               self.cadence.logs(p.step + 1))
-        window.add(loss, nll, step_src, step_tgt, lr, norm)
-        p.tokens_src += step_src
-        p.tokens_tgt += step_tgt
+        window.add(loss, nll, src_tokens=host.src_tokens, tgt_tokens=host.tgt_tokens, lr=lr, grad_norm=norm)
+        p.tokens_src += host.src_tokens
+        p.tokens_tgt += host.tgt_tokens
+
+    def _log_window(self, window: Window) -> Window:
+        """The log line of `window`'s steps, the batch shapes and compiled graphs so far; a new window."""
+        self.metrics.log_window(window)
+        window = Window()
+        if self.rank == 0:
+            compiler = self.device_setup.compiler
+            self.metrics.log({"train/batch_shapes": float(len(self.batcher.shapes)), **(
+                {"train/compiled_graphs": float(compiler.num_graphs)} if compiler is not None else {})})
+        return window
 
     def _validate(self, model: torch.nn.Module) -> None:
-        with self.attention():
-            m = self.validate(model)
+        with self.device_setup.attention():
+            m = self.dev_loss(model)
         if m is None:
             return
         p = self.progress
@@ -242,16 +219,18 @@ class Trainer:
         """The seconds the loop waited (`sync`: the upload included)."""
         return self.checkpoints.write(self.progress, self.metrics.last, self.metrics.log, sync)
 
-    def summary(self) -> dict[str, Any]:
-        p = self.progress
-        return {"final_step": p.step, "start_step": self.start_step, "epoch": p.epoch,
-                "tokens_seen": {"src": p.tokens_src, "tgt": p.tokens_tgt},
-                "train_time_s": p.train_time_s, "num_dropped_too_long": self.plan.num_dropped,
-                "num_pairs": len(self.plan.rows), "precision": self.precision, "world_size": self.world,
-                "history_train": p.history_train, "history_val": p.history_val, "last_metrics": self.metrics.last,
-                "early_stop": p.early_stop or None,
-                "compiled_graphs": self.compiler.num_graphs if self.compiler is not None else None,
-                "batch_shapes": len(self.batcher.shapes)}
+
+def summary(t: Trainer) -> dict[str, Any]:
+    """What a worker returns at the end (rank 0's is the stage's): where it stopped, what it saw."""
+    p, compiler = t.progress, t.device_setup.compiler
+    return {"final_step": p.step, "start_step": t.start_step, "epoch": p.epoch,
+            "tokens_seen": {"src": p.tokens_src, "tgt": p.tokens_tgt},
+            "train_time_s": p.train_time_s, "num_dropped_too_long": t.plan.num_dropped,
+            "num_pairs": len(t.plan.rows), "precision": t.device_setup.precision, "world_size": t.world,
+            "history_train": p.history_train, "history_val": p.history_val, "last_metrics": t.metrics.last,
+            "early_stop": p.early_stop or None,
+            "compiled_graphs": compiler.num_graphs if compiler is not None else None,
+            "batch_shapes": len(t.batcher.shapes)}
 
 
 def train_worker(spec: dict[str, Any], session: Session) -> dict[str, Any]:

@@ -36,11 +36,12 @@ class Window:
     lr: float = 0.0  # the rate the last step used
     grad_norm: float = float("nan")  # of the last step (computed on log steps only)
 
-    def add(self, loss: torch.Tensor, nll: torch.Tensor, step_src: int, step_tgt: int, lr: float,
+    def add(self, loss: torch.Tensor, nll: torch.Tensor, *, src_tokens: int, tgt_tokens: int, lr: float,
             grad_norm: float | None) -> None:
+        """One step: its (loss_sum, nll_sum) on the device and its token counts (all workers')."""
         self.steps += 1
-        self.tokens_src += step_src
-        self.tokens_tgt += step_tgt
+        self.tokens_src += src_tokens
+        self.tokens_tgt += tgt_tokens
         self.loss = loss if self.loss is None else self.loss + loss
         self.nll = nll if self.nll is None else self.nll + nll
         self.lr = lr
@@ -98,7 +99,6 @@ class TrainLog:
             if not self._warned:
                 log.warning("could not log metrics to MLflow (%s); training continues", e)
                 self._warned = True
-
 
     def close(self) -> None:
         """Deliver the buffered metrics, waiting at most a minute for the server; what is left

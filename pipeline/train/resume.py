@@ -1,6 +1,6 @@
 """Where an interrupted `train` stage stands, read from its Ray Train run folder (for `--plan`).
 
-The run of cache key K lives in `<storage_path>/K/` (`pipeline.train.stage`). Ray Train V2 keeps
+The run of cache key K lives in `<storage_path>/K/` (`pipeline.train.driver`). Ray Train V2 keeps
 `checkpoint_manager_snapshot.json` there and, when a `TorchTrainer` with the same
 `RunConfig(name, storage_path)` starts again, restores the snapshot's `latest_checkpoint_result`:
 that checkpoint is where the workers resume. Reading it needs neither Ray nor torch, so `--plan`

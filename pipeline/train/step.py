@@ -9,7 +9,7 @@ whatever the split into micro-batches and workers: each worker back-propagates
 `loss_sum(micro) * world_size / N` (DDP averages gradients over workers, i.e. divides by
 world_size) and skips DDP's all-reduce on all but its last micro-batch (`no_sync`). N, the
 step's target-token count, is known to every worker from the global batch plan
-(`pipeline.train.batching`), so no all-reduce of the token count is needed.
+(`pipeline.plan.step_groups`), so no all-reduce of the token count is needed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import NonPad, label_smoothed_nll, linear_label_smoothed_nll
-from pipeline.train import batching
+from pipeline.train.feeder import MicroBatch
 
 
 def step_seed(seed: int, rank: int, step: int) -> int:
@@ -31,58 +31,39 @@ def step_seed(seed: int, rank: int, step: int) -> int:
     return int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0] % (2**63))
 
 
-@dataclass
-class MicroBatch:
-    src: torch.Tensor  # (B, S)
-    tgt_in: torch.Tensor  # (B, T)
-    tgt_out: torch.Tensor  # (B, T)
-    weight: float = 1.0  # 0 for a stand-in when a worker has no rows for this micro-step
-    src_index: torch.Tensor | None = None  # (Ms,) flat non-pad positions of src (host-computed)
-    tgt_index: torch.Tensor | None = None  # (M,) flat non-pad positions of tgt_in / tgt_out
-    target: torch.Tensor | None = None  # (M,) tgt_out at those positions
+@dataclass(frozen=True)
+class FusedOutput:
+    """The output projection fused with the loss (`train.fused_loss`, on GPUs): the model returns its
+    last hidden states and `model.linear_label_smoothed_nll` projects and scores them in chunks, never
+    holding the (M, V) logits."""
+
+    weight: torch.Tensor  # (V, d_model): the output projection's weight (tied with the embeddings)
+    dtype: torch.dtype  # what the projection multiplies in: the autocast dtype, or float32
 
 
-def pin(batch: batching.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:
-    """Host side of `to_device`: torch tensors over the batch's arrays, in pinned memory for a GPU
-    (so the copy can be asynchronous). Safe to run in a background thread (prefetch)."""
-    def t(x: np.ndarray | None) -> torch.Tensor | None:
-        if x is None:
-            return None
-        x = torch.from_numpy(x)
-        return x.pin_memory() if device.type == "cuda" else x
+@dataclass(frozen=True)
+class LossSettings:
+    """How a micro-batch's loss is computed, the same in the training steps and the dev loss."""
 
-    return MicroBatch(t(batch.src), t(batch.tgt_in), t(batch.tgt_out), weight, t(batch.src_index),
-                      t(batch.tgt_index), t(batch.target))
+    label_smoothing: float  # ε_ls (§5.4: 0.1; train.label_smoothing)
+    pad_id: int  # target positions of this id are no tokens (the loss ignores them)
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext  # the forward's precision context
+    scaler: torch.amp.GradScaler | None = None  # fp16 loss scaling of the backward (training only)
+    fused_output: FusedOutput | None = None  # None: the model's logits, then the loss
 
 
-def upload(mb: MicroBatch, device: torch.device) -> MicroBatch:
-    """Copy a pinned micro-batch to the device without waiting for it (a no-op on CPU)."""
-    if device.type != "cuda":
-        return mb
-    def t(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.to(device, non_blocking=True)
-
-    return MicroBatch(t(mb.src), t(mb.tgt_in), t(mb.tgt_out), mb.weight, t(mb.src_index), t(mb.tgt_index),
-                      t(mb.target))
-
-
-def to_device(batch: batching.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:
-    return upload(pin(batch, device, weight), device)
-
-
-def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, epsilon: float, pad_id: int,
-                     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
-                     fused_output: tuple[torch.Tensor, torch.dtype] | None = None
+def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, settings: LossSettings
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss_sum, nll_sum) of one micro-batch at its real target positions: the model under
-    `autocast`, then the label-smoothed loss of its logits (projected under `autocast` too), or
-    with `fused_output` = (the output projection's weight, the dtype it multiplies in) the
-    projection fused with the loss (`model.linear_label_smoothed_nll`: no (M, V) logits;
-    `train.fused_loss`, on GPUs). Training steps and validation both compute it so.
+    `settings.autocast`, then the label-smoothed loss of its logits (projected under autocast too),
+    or with `settings.fused_output` the projection fused with the loss (`FusedOutput`: no (M, V)
+    logits). The training steps and the dev loss both compute it so.
 
     `model` is the Transformer, or it wrapped by DDP and/or torch.compile: the call goes through
     the wrappers (DDP prepares its gradient reduction in forward); the projection outside forward
     is the Transformer's own (its gradient still reaches DDP through autograd)."""
+    epsilon, pad_id, autocast, fused_output = (settings.label_smoothing, settings.pad_id, settings.autocast,
+                                               settings.fused_output)
     # (M,): the projection skips pad positions. A boolean index would wait for the device to learn
     # M; collate gives the target and the positions, computed on the host.
     target = mb.target if mb.target is not None else mb.tgt_out[mb.tgt_out != pad_id]
@@ -91,8 +72,7 @@ def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, epsilon: float, pad
         logits = _unwrapped(model).logits(hidden) if fused_output is None else None  # (M, V)
     if fused_output is None:
         return label_smoothed_nll(logits, target, epsilon=epsilon, ignore_index=pad_id)
-    weight, dtype = fused_output
-    return linear_label_smoothed_nll(hidden, weight, target, epsilon, pad_id, dtype)
+    return linear_label_smoothed_nll(hidden, fused_output.weight, target, epsilon, pad_id, fused_output.dtype)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -101,26 +81,20 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch], step_tgt_tokens: int,
-                         world_size: int, epsilon: float, pad_id: int,
-                         autocast: Callable[[], ContextManager] = contextlib.nullcontext,
-                         scaler: torch.amp.GradScaler | None = None,
-                         fused_output: tuple[torch.Tensor, torch.dtype] | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         world_size: int, settings: LossSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """Back-propagate this worker's share of the step; return its (loss_sum, nll_sum) (detached).
 
     After the last micro-batch (and DDP's all-reduce) every worker holds
     d/dθ [ sum of token losses over the whole step / step_tgt_tokens ].
-
-    `fused_output`: see `micro_batch_loss`.
     """
-    scale = world_size / step_tgt_tokens
+    scale, scaler = world_size / step_tgt_tokens, settings.scaler
     loss_total = torch.zeros((), device=micro_batches[0].src.device)
     nll_total = torch.zeros((), device=micro_batches[0].src.device)
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
         with sync:
-            loss, nll = micro_batch_loss(model, mb, epsilon, pad_id, autocast, fused_output)
+            loss, nll = micro_batch_loss(model, mb, settings)
             if mb.weight != 1.0:
                 loss, nll = loss * mb.weight, nll * mb.weight
             scaled = loss * scale

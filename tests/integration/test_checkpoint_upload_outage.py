@@ -39,7 +39,7 @@ MAX_STEPS, INTERVAL, VOCAB, RUN = 30, 10, 48, "upload-outage"
 DRIVER = r"""
 import json, sys
 import ray
-from pipeline.train import stage as train
+from pipeline.train import driver as train
 from pipeline.config import load_config
 from pipeline.stage import Manifest, StageContext
 

@@ -33,7 +33,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
-from pipeline.train.size import model_config_for
+from pipeline.models import model_config_for
 from tests.support.faults import gate_env, set_gate
 from tests.support.procs import RayHead, stop, wait_for
 from tests.support.s3 import s3, s3_module  # noqa: F401 (fixtures)
@@ -48,7 +48,7 @@ MAX_STEPS, INTERVAL, VOCAB = 40, 10, 48
 DRIVER = r"""
 import json, sys
 import ray
-from pipeline.train import stage as train
+from pipeline.train import driver as train
 from pipeline.config import load_config
 from pipeline.stage import Manifest, StageContext
 from pipeline.tracking import RunLogger

@@ -1,7 +1,7 @@
 """Ray Train over two nodes with checkpoints on an object store, surviving the loss of a node.
 
 Two Ray nodes on this machine (a head with `node_a`, a worker with `node_b`, one CPU each; the
-workers are placed STRICT_SPREAD, one per node), the real `train` stage (`pipeline.train.stage.run`) on
+workers are placed STRICT_SPREAD, one per node), the real `train` stage (`pipeline.train.driver.run`) on
 synthetic shards in the S3 bucket. Once Ray Train has registered a checkpoint, the second node is
 killed and a replacement joins: the run goes on from its latest checkpoint (FailureConfig), so no
 more than one checkpoint interval of work is lost.
@@ -42,7 +42,7 @@ DRIVER = r"""
 import json, sys
 import ray
 from ray.util.state import list_actors
-from pipeline.train import stage as train
+from pipeline.train import driver as train
 from pipeline.config import load_config
 from pipeline.stage import Manifest, StageContext
 

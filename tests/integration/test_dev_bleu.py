@@ -106,7 +106,7 @@ def test_dev_bleu_is_logged_while_training_and_matches_the_translate_cli(work, m
 
 
 def test_a_failing_validation_task_leaves_the_run_finishing(work, tmp_path):
-    from pipeline.train import stage as train_stage
+    from pipeline.train import driver as train_stage
 
     bad_spm = tmp_path / "spm.model"
     bad_spm.write_bytes(b"not a SentencePiece model")  # training never reads it; the validation task does

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.train import stage as train
+from pipeline.train import driver as train
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.config import Config
-from pipeline.train.precision import cpu_bf16_features
+from pipeline.train.device import cpu_bf16_features
 from pipeline.stage import Manifest, StageContext
 from tests.support import faults
 from tests.support.synthetic import write_reverse_task
@@ -166,7 +166,7 @@ DRIVER = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO)
 import ray
-from pipeline.train import stage as train
+from pipeline.train import driver as train
 from pipeline.config import from_dict
 from pipeline.stage import Manifest, StageContext
 spec = json.load(open(sys.argv[1]))

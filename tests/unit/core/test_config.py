@@ -24,7 +24,7 @@ def test_every_shipped_config_loads_and_plans(path, tmp_path):
     assert from_dict(cfg.to_dict()) == cfg  # round trip, e.g. into Ray workers
     cfg.run.work_dir, cfg.run.storage_path = str(tmp_path), ""  # plan against an empty local work dir
     assert [p.action for p in make_plan(cfg)] == ["run"] * len(ORDER)
-    # The device is found, not configured (issue 37): a GPU when Ray sees one, the CPUs otherwise.
+    # The device is found, not configured (DESIGN.md): a GPU when Ray sees one, the CPUs otherwise.
     assert (cfg.train.use_gpu, cfg.eval.use_gpu) == ("auto", "auto")
     assert cfg.train.compile == cfg.train.shape_buckets == cfg.train.fused_loss == "auto"
 
@@ -151,7 +151,7 @@ def test_model_section_is_model_sizes_and_none_is_keyed_as_zero():
 
     from model import ModelConfig, ModelSizes
     from pipeline.config import ModelSection
-    from pipeline.train.size import model_config_for
+    from pipeline.models import model_config_for
 
     assert [f.name for f in dataclasses.fields(ModelSection)] == [f.name for f in dataclasses.fields(ModelSizes)]
     cfg = load_config(None, ["--model.d_k=16"])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ConfigError
-from pipeline.train.size import num_parameters
+from pipeline.plan.bill import num_parameters
 from workflows.reproduce_table3 import PAPER, TABLE3_DIR, expand_rows, variant_config
 from workflows.runner import compute_keys
 

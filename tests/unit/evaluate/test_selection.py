@@ -13,7 +13,7 @@ from pipeline.config import Config, ConfigError, DecodeSettings, load_config
 from pipeline.decoding import dev_bleu, dev_bleu_records
 from pipeline.decoding.selection import plan_check, select_best, step_checkpoints
 from pipeline.evaluate import average
-from pipeline.train import dev_bleu as train_dev_bleu
+from pipeline.train import dev_bleu_validation as train_dev_bleu
 from pipeline.stage import Manifest, StageContext
 from tests.unit.evaluate.test_average import TINY, _checkpoints, _load
 from workflows import reproduce_base

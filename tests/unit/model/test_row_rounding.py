@@ -1,4 +1,4 @@
-"""Rounded rows (`batching.collate(row_multiple=)`, what CPU bf16 training uses): the extra pad
+"""Rounded rows (`token_batches.BatchLayout(row_multiple=)`, what CPU bf16 training uses): the extra pad
 positions change nothing the step computes. Reference: the same model on unrounded rows, and its
 full (B, T, V) logits at the real positions."""
 
@@ -8,8 +8,10 @@ import numpy as np
 import torch
 
 from model import ModelConfig, NonPad, Transformer, label_smoothed_nll
-from pipeline.train import batching
-from pipeline.train.step import to_device
+from pipeline.train import token_batches
+from pipeline.train.corpus import Corpus
+from pipeline.train.token_batches import BatchLayout
+from pipeline.train.feeder import to_device
 
 
 def test_loss_and_gradients_with_rounded_rows_equal_the_unrounded_ones():
@@ -22,7 +24,7 @@ def test_loss_and_gradients_with_rounded_rows_equal_the_unrounded_ones():
     so, to = np.concatenate([[0], np.cumsum(src_lens)]), np.concatenate([[0], np.cumsum(tgt_lens)])
 
     def loss_and_grads(multiple: int):
-        b = to_device(batching.collate(np.arange(7), sv, so, tv, to, 0, 2, 3, row_multiple=multiple), torch.device("cpu"))
+        b = to_device(token_batches.collate(np.arange(7), Corpus(sv, so, tv, to), BatchLayout(0, 2, 3, row_multiple=multiple)), torch.device("cpu"))
         model.zero_grad()
         logits = model.logits(model(b.src, b.tgt_in, NonPad(b.src_index, b.tgt_index)))
         loss, nll = label_smoothed_nll(logits, b.target, epsilon=0.1, ignore_index=0)
@@ -36,7 +38,7 @@ def test_loss_and_gradients_with_rounded_rows_equal_the_unrounded_ones():
     for a, b in zip(g1, g64):
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
 
-    b = batching.collate(np.arange(7), sv, so, tv, to, 0, 2, 3)  # reference: full logits, pad ignored
+    b = token_batches.collate(np.arange(7), Corpus(sv, so, tv, to), BatchLayout(0, 2, 3))  # reference: full logits, pad ignored
     full = model.logits(model(torch.from_numpy(b.src), torch.from_numpy(b.tgt_in)))
     ref, _ = label_smoothed_nll(full.reshape(-1, 40), torch.from_numpy(b.tgt_out).reshape(-1), epsilon=0.1,
                                 ignore_index=0)

@@ -14,8 +14,12 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, Transformer, label_smoothed_nll
-from pipeline.train import batching
-from pipeline.train.step import MicroBatch, accumulate_gradients, to_device
+from pipeline.plan import step_groups
+from pipeline.train import token_batches
+from pipeline.train.corpus import Corpus
+from pipeline.train.token_batches import BatchLayout
+from pipeline.train.feeder import MicroBatch, to_device
+from pipeline.train.step import LossSettings, accumulate_gradients
 
 MC = ModelConfig(vocab_size=50, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
                  dropout=0.0)
@@ -32,7 +36,7 @@ def fixed_rows(n: int = 16, seed: int = 0):
 
 
 def micro(data, rows) -> MicroBatch:
-    b = batching.collate(np.asarray(rows), *data, pad_id=0, bos_id=2, eos_id=3)
+    b = token_batches.collate(np.asarray(rows), Corpus(*data), BatchLayout(pad_id=0, bos_id=2, eos_id=3))
     return to_device(b, torch.device("cpu"))
 
 
@@ -49,12 +53,12 @@ def reference_grads(data, rows, n_tokens):
 def test_four_micro_batches_equal_one_big_batch():
     data = fixed_rows()
     rows = np.arange(16)
-    n_tokens = int(batching.target_tokens(np.diff(data[3])[rows]).sum())
+    n_tokens = int(step_groups.target_tokens(np.diff(data[3])[rows]).sum())
     want = reference_grads(data, rows, n_tokens)
     torch.manual_seed(0)
     model = Transformer(MC)
     chunks = [micro(data, rows[i:i + 4]) for i in range(0, 16, 4)]
-    loss, nll = accumulate_gradients(model, chunks, n_tokens, world_size=1, epsilon=0.1, pad_id=0)
+    loss, nll = accumulate_gradients(model, chunks, n_tokens, world_size=1, settings=LossSettings(0.1, pad_id=0))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-7, msg=name)
     assert loss.item() > nll.item() > 0
@@ -63,13 +67,14 @@ def test_four_micro_batches_equal_one_big_batch():
 def test_a_zero_weight_stand_in_adds_nothing():
     data = fixed_rows()
     rows = np.arange(8)
-    n_tokens = int(batching.target_tokens(np.diff(data[3])[rows]).sum())
+    n_tokens = int(step_groups.target_tokens(np.diff(data[3])[rows]).sum())
     want = reference_grads(data, rows, n_tokens)
     torch.manual_seed(0)
     model = Transformer(MC)
     stand_in = micro(data, rows[:1])
     stand_in.weight = 0.0
-    accumulate_gradients(model, [micro(data, rows), stand_in], n_tokens, world_size=1, epsilon=0.1, pad_id=0)
+    accumulate_gradients(model, [micro(data, rows), stand_in], n_tokens, world_size=1,
+                         settings=LossSettings(0.1, pad_id=0))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-7, msg=name)
 
@@ -81,13 +86,13 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         data = fixed_rows()
         rows = np.arange(16)
-        n_tokens = int(batching.target_tokens(np.diff(data[3])[rows]).sum())
+        n_tokens = int(step_groups.target_tokens(np.diff(data[3])[rows]).sum())
         chunks = [rows[i:i + 4] for i in range(0, 16, 4)]
-        mine = chunks[rank::world]  # chunk j -> worker j % world, as batching.split_step assigns
+        mine = chunks[rank::world]  # chunk j -> worker j % world, as step_groups.split_step assigns
         torch.manual_seed(0)
         model = DDP(Transformer(MC))
         accumulate_gradients(model, [micro(data, c) for c in mine], n_tokens, world_size=world,
-                             epsilon=0.1, pad_id=0)
+                             settings=LossSettings(0.1, pad_id=0))
         grads = {n.removeprefix("module."): p.grad for n, p in model.named_parameters()}
         torch.save(grads, os.path.join(out_dir, f"grads_{rank}.pt"))
     finally:
@@ -102,7 +107,7 @@ def test_two_ddp_workers_times_two_micro_batches_equal_one_big_batch(tmp_path):
     mp.spawn(_ddp_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     data = fixed_rows()
     rows = np.arange(16)
-    want = reference_grads(data, rows, int(batching.target_tokens(np.diff(data[3])[rows]).sum()))
+    want = reference_grads(data, rows, int(step_groups.target_tokens(np.diff(data[3])[rows]).sum()))
     for rank in range(2):
         got = torch.load(tmp_path / f"grads_{rank}.pt", weights_only=True)
         for name, g in want.items():

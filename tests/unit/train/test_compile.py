@@ -2,7 +2,7 @@
 plan, split and collate, source and target lengths that differ) the graphs torch.compile builds
 stay few and stop growing after the first step and the first validation; losses equal eager's.
 
-How many and why (pipeline/train/compiled.py): with dynamic=True and duck sizing off, the graphs
+How many and why (pipeline/train/device.py): with dynamic=True and duck sizing off, the graphs
 built at the first step (2 on torch 2.13: dynamo hands the backend the training forward twice on
 its first call, with no guard failure logged) serve every later training batch shape; the first
 validation adds one for grad mode off and one for a dev batch of a single pair (sizes 0 and 1 are
@@ -25,7 +25,7 @@ import torch
 from model import ModelConfig
 from pipeline.config import Config
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
-from pipeline.train.precision import cpu_bf16_features
+from pipeline.train.device import cpu_bf16_features
 from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import one_thread  # noqa: F401 (fixture)
 
@@ -68,8 +68,8 @@ def test_graphs_stay_few_and_stop_growing_over_many_bucketed_steps(shards, tmp_p
     torch._dynamo.reset()
     tr = trainer(shards, tmp_path, precision, "aot_eager", max_steps=150, eval_every=50)
     at_step: list[int] = []  # the step during which each graph was compiled
-    inner = tr.compiler.inner
-    tr.compiler.inner = lambda gm, inputs: at_step.append(tr.progress.step) or inner(gm, inputs)
+    inner = tr.device_setup.compiler.inner
+    tr.device_setup.compiler.inner = lambda gm, inputs: at_step.append(tr.progress.step) or inner(gm, inputs)
     out = tr.run()
     assert out["compiled_graphs"] == len(at_step)
     # the first step (training) and the first validation (after step 50) compile; nothing after
@@ -99,8 +99,8 @@ def test_inductor_losses_equal_eager(shards, tmp_path, precision, tol):
 
 @pytest.mark.slow
 def test_gpu_recipe_compiled_equals_eager_with_graphs_bounded(shards, tmp_path):
-    """What a GPU run does by default: compiled, shape buckets, fused projection + loss,
-    bucketed validations. Losses equal eager's; the graphs are the first step's and the first
+    """What a GPU run does by default (train.compile, train.shape_buckets, train.fused_loss): compiled,
+    shape buckets, fused projection + loss, bucketed validations. Losses equal eager's; the graphs are the first step's and the first
     validation's, however many bucket shapes follow (inductor: the generated code is what runs)."""
     torch._dynamo.reset()
     eager = trainer(shards, tmp_path / "eager", "fp32", None, max_steps=40, eval_every=20, gpu_recipe=True,
@@ -109,8 +109,8 @@ def test_gpu_recipe_compiled_equals_eager_with_graphs_bounded(shards, tmp_path):
         tr = trainer(shards, tmp_path / "compiled", "fp32", "inductor", max_steps=40, eval_every=20, gpu_recipe=True,
                      cpu_kernels=False)
         at_step: list[int] = []
-        inner = tr.compiler.inner
-        tr.compiler.inner = lambda gm, inputs: at_step.append(tr.progress.step) or inner(gm, inputs)
+        inner = tr.device_setup.compiler.inner
+        tr.device_setup.compiler.inner = lambda gm, inputs: at_step.append(tr.progress.step) or inner(gm, inputs)
         compiled = tr.run()
     a, b = _losses(eager), _losses(compiled)
     assert len(a) == len(b) == 40

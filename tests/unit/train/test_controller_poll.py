@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import Config, ConfigError
-from pipeline.train import stage as train
+from pipeline.train import driver as train
 
 
 def test_the_variable_is_ray_trains_poll_interval_and_is_propagated_to_the_controller():

@@ -1,4 +1,4 @@
-"""Settings decided per device (pipeline/config/devices.py, pipeline/train/attention.py) and the
+"""Settings decided per device (pipeline/config/devices.py, pipeline/train/device.py) and the
 GPU defaults of the loop exercised on this CPU: "auto" devices, the attention backend's choice,
 and the fused output projection + loss trained against the plain one."""
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pipeline.config import ConfigError, load_config
 from pipeline.config.devices import on_for, use_gpus
-from pipeline.train import attention
+from pipeline.train import device as worker_device
 from pipeline.train.loop import LocalSession, Trainer, LoopSpec, train_worker
 from tests.unit.train.test_loop import shards, tiny_spec  # noqa: F401 (a fixture)
 
@@ -41,9 +41,9 @@ def test_config_takes_auto_or_a_boolean_and_names_the_key_otherwise():
 
 
 def test_attention_context_on_a_cpu():
-    make, why = attention.attention_context("auto", torch.device("cpu"), 4, 32, torch.float32)
+    make, why = worker_device.attention_context("auto", torch.device("cpu"), 4, 32, torch.float32)
     assert make is contextlib.nullcontext and "CPU" in why
-    make, why = attention.attention_context("math", torch.device("cpu"), 4, 32, torch.float32)
+    make, why = worker_device.attention_context("math", torch.device("cpu"), 4, 32, torch.float32)
     q = torch.randn(2, 4, 8, 16)
     with make():  # only the math kernel allowed: the result is still attention
         out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -51,15 +51,15 @@ def test_attention_context_on_a_cpu():
     # cuDNN first cannot run on a CPU: the call falls back to the next in the list instead of failing
     # (as flash, which takes no padding mask, falls back for the encoder's and the cross-attention's calls).
     mask = torch.tensor([[True] * 6 + [False] * 2, [True] * 8])[:, None, None, :]
-    with attention.attention_context("cudnn", torch.device("cpu"), 4, 32, torch.float32)[0]():
+    with worker_device.attention_context("cudnn", torch.device("cpu"), 4, 32, torch.float32)[0]():
         masked = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
     torch.testing.assert_close(masked, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
-    assert attention.priority("flash")[0] == torch.nn.attention.SDPBackend.FLASH_ATTENTION
-    assert attention.priority("flash")[-1] == torch.nn.attention.SDPBackend.MATH and len(attention.priority("math")) == 4
+    assert worker_device.priority("flash")[0] == torch.nn.attention.SDPBackend.FLASH_ATTENTION
+    assert worker_device.priority("flash")[-1] == torch.nn.attention.SDPBackend.MATH and len(worker_device.priority("math")) == 4
 
 
 def test_fastest_times_each_backend_first_with_its_fallbacks():
-    best, timings = attention.fastest(("math", "flash", "cudnn"), (4, 2, 16, 8), torch.device("cpu"), torch.float32)
+    best, timings = worker_device.fastest(("math", "flash", "cudnn"), (4, 2, 16, 8), torch.device("cpu"), torch.float32)
     assert set(timings) == {"math", "flash", "cudnn"} and all(t < float("inf") for t in timings.values())
     assert timings[best] == min(timings.values())
 
@@ -75,4 +75,4 @@ def test_the_fused_loss_trains_as_the_plain_projection(shards, tmp_path):  # noq
 def test_auto_settings_stay_off_on_a_cpu(shards, tmp_path):  # noqa: F811
     trainer = Trainer(LoopSpec(**tiny_spec(shards)), LocalSession(tmp_path))
     assert trainer.tc.compile == trainer.tc.shape_buckets == trainer.tc.fused_loss == "auto"
-    assert trainer.compiler is None and trainer.fused_output is None
+    assert trainer.device_setup.compiler is None and trainer.loss_settings.fused_output is None

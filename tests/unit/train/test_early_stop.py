@@ -17,7 +17,7 @@ from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.early_stop import EarlyStop
 from pipeline.train.loop import LocalSession, train_worker
 from pipeline.train.session import SESSION_WRAPPER_ENV
-from pipeline.train.validate import Validator
+from pipeline.train.dev_loss import DevLoss
 from tests.support import faults
 from tests.unit.train.test_loop import one_thread, shards, tiny_spec  # noqa: F401 (fixtures)
 
@@ -104,7 +104,7 @@ def test_val_loss_stops_between_checkpoints_with_a_checkpoint_of_its_own(shards,
         v = next(losses)
         return {"val/loss": v, "val/nll": v, "val/ppl": 1.0}
 
-    monkeypatch.setattr(Validator, "__call__", scripted)
+    monkeypatch.setattr(DevLoss, "__call__", scripted)
     session = LocalSession(tmp_path)
     out = train_worker(tiny_spec(shards, max_steps=40, eval_interval_steps=2, checkpoint_interval_steps=4,
                                  early_stop_patience=3, early_stop_metric="val_loss"), session)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import ConfigError, load_config
+from pipeline.plan.step_groups import worker_range
 from pipeline.train import elastic
 
 
@@ -26,7 +27,7 @@ def test_bad_worker_counts_name_the_key(value, message):
 
 def test_a_range_is_elastic_a_number_is_not():
     c = cfg("--train.num_workers=1,4", "--train.elastic_resize_interval_s=5")
-    assert c.train.num_workers == [1, 4] and elastic.worker_range(c) == (1, 4)
+    assert c.train.num_workers == [1, 4] and worker_range(c) == (1, 4)
     assert elastic.scaling_kwargs(c) == {"num_workers": (1, 4), "elastic_resize_monitor_interval_s": 5.0}
     assert elastic.scaling_kwargs(cfg("--train.num_workers=3")) == {"num_workers": 3}
     assert elastic.scaling_kwargs(cfg("--train.num_workers=2,2")) == {"num_workers": 2}

@@ -13,11 +13,14 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
-from pipeline.train import batching
+from pipeline.plan import step_groups
+from pipeline.train import token_batches
+from pipeline.train.token_batches import BatchLayout
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.corpus import load_corpus
 from pipeline.train.checkpoint import Progress
-from pipeline.train.step import accumulate_gradients, optimizer_step, to_device
+from pipeline.train.feeder import to_device
+from pipeline.train.step import LossSettings, accumulate_gradients, optimizer_step
 from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import VOCAB, one_thread  # noqa: F401 (fixture)
 
@@ -31,12 +34,11 @@ def steps(tmp_path_factory) -> list[list]:
     """Eight steps of real token-bucketed micro-batches (the loop's plan, split and collate)."""
     d = load_corpus(str(write_reverse_task(tmp_path_factory.mktemp("fp16") / "train", 200, VOCAB, seed=0)))
     rows = np.arange(len(d.src_len))
-    plan = batching.plan_epoch(rows, d.src_len, d.tgt_len, 400, 1, 0)[:8]
+    plan = step_groups.plan_epoch(rows, d.src_len, d.tgt_len, 400, 1, 0)[:8]
     out = []
     for g in plan:
-        split = batching.split_step(g, d.src_len, d.tgt_len, 1, 200)
-        out.append([to_device(batching.collate(c, d.src_values, d.src_offsets, d.tgt_values, d.tgt_offsets,
-                                               MC.pad_id, MC.bos_id, MC.eos_id), torch.device("cpu"))
+        split = step_groups.split_step(g, d.src_len, d.tgt_len, 1, 200)
+        out.append([to_device(token_batches.collate(c, d, BatchLayout(MC.pad_id, MC.bos_id, MC.eos_id)), torch.device("cpu"))
                     for c in split.chunks[0]])
     return out
 
@@ -53,7 +55,7 @@ def train(parts, steps, autocast) -> list[float]:
     losses = []
     for micro in steps:
         tgt = sum(int((mb.tgt_out != MC.pad_id).sum()) for mb in micro)
-        loss, _ = accumulate_gradients(model, micro, tgt, 1, 0.1, MC.pad_id, autocast, scaler)
+        loss, _ = accumulate_gradients(model, micro, tgt, 1, LossSettings(0.1, MC.pad_id, autocast, scaler))
         optimizer_step(model, opt, sched, scaler, 0.0, False)
         losses.append(float(loss) / tgt)
     return losses

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from pipeline.config import Config, ConfigError
-from pipeline.train import batching, precision
+from pipeline.train import device as worker_device
+from pipeline.train import token_batches
 from pipeline.train.loop import LocalSession, train_worker
-from pipeline.train.precision import describe, resolve_precision
+from pipeline.train.device import describe, resolve_precision
 from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import VOCAB, one_thread, tiny_spec  # noqa: F401 (fixture)
 
@@ -64,17 +65,16 @@ def test_probes_agree_with_the_kernels_cpu_flags():
     assert info.exists(), "this test reads the Linux kernel's CPU flags"
     flags = {f for line in info.read_text().splitlines() if line.startswith("flags") for f in line.split()}
     expected = [n for n, f in (("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_tile")) if f in flags]
-    assert precision.cpu_bf16_features() == expected
+    assert worker_device.cpu_bf16_features() == expected
 
 
 @pytest.mark.slow
 def test_a_bf16_cpu_run_is_autocast_and_tracks_fp32(tmp_path, monkeypatch):
     _cpu(monkeypatch, True, False)  # as on a bf16 CPU (emulated elsewhere: slower, same numbers)
     multiples: list[int] = []  # what the loop asks collate for: rows rounded to 64 in bf16 only
-    collate = batching.collate
-    monkeypatch.setattr(batching, "collate", lambda *a, **kw: multiples.append(a[8] if len(a) > 8 else
-                                                                                kw.get("row_multiple", 1))
-                        or collate(*a, **kw))
+    collate = token_batches.collate
+    monkeypatch.setattr(token_batches, "collate", lambda rows, data, layout: multiples.append(layout.row_multiple)
+                        or collate(rows, data, layout))
     shards = (write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0),
               write_reverse_task(tmp_path / "dev", 40, VOCAB, seed=1))
     fp32 = train_worker(tiny_spec(shards, max_steps=6), LocalSession(tmp_path / "a"))
@@ -89,6 +89,6 @@ def test_a_bf16_cpu_run_is_autocast_and_tracks_fp32(tmp_path, monkeypatch):
 
 
 def test_only_bf16_on_a_cpu_rounds_the_rows():
-    assert precision.row_multiple("bf16", CPU) == 64
-    assert precision.row_multiple("fp32", CPU) == 1
-    assert precision.row_multiple("bf16", torch.device("cuda")) == 1
+    assert worker_device.row_multiple("bf16", CPU) == 64
+    assert worker_device.row_multiple("fp32", CPU) == 1
+    assert worker_device.row_multiple("bf16", torch.device("cuda")) == 1

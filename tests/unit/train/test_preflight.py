@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.train import stage as train
+from pipeline.train import driver as train
 from pipeline.config import Config
 from pipeline.stage import Manifest, StageContext
 from pipeline.train.corpus import id_range

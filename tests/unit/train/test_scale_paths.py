@@ -12,11 +12,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import ModelConfig, NonPad, Transformer, make_optimizer
-from pipeline.train import batching
+from pipeline.train import token_batches
+from pipeline.train.token_batches import BatchLayout
 from pipeline.train import checkpoint as train_checkpoint
-from pipeline.train.corpus import load_corpus, load_shared_corpus
+from pipeline.train.corpus import Corpus, load_corpus, load_shared_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer, train_worker
-from pipeline.train.step import accumulate_gradients, to_device
+from pipeline.train.feeder import to_device
+from pipeline.train.step import LossSettings, accumulate_gradients
 from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import VOCAB, tiny_spec
 
@@ -30,12 +32,13 @@ def shards(tmp_path_factory) -> tuple[Path, Path]:
             write_reverse_task(root / "dev", 40, VOCAB, seed=1))
 
 
-def _batch(rows=(0, 5, 7, 11)) -> batching.Batch:
+def _batch(rows=(0, 5, 7, 11)) -> token_batches.Batch:
     rng = np.random.default_rng(0)
     lens = rng.integers(1, 9, size=12)
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     values = rng.integers(4, 50, size=int(offsets[-1])).astype(np.int32)
-    return batching.collate(np.asarray(rows), values, offsets, values[::-1].copy(), offsets, PAD, BOS, EOS)
+    return token_batches.collate(np.asarray(rows), Corpus(values, offsets, values[::-1].copy(), offsets),
+                                 BatchLayout(PAD, BOS, EOS))
 
 
 def test_collate_indices_equal_what_the_device_would_compute():
@@ -82,12 +85,12 @@ def test_a_training_step_has_no_host_sync():
                                     n_decoder_layers=1, dropout=0.1))
     micro = [to_device(_batch(), torch.device("cpu"))]
     with _SyncingOps() as ops:
-        accumulate_gradients(model, micro, micro[0].target.numel(), 1, 0.1, PAD)
+        accumulate_gradients(model, micro, micro[0].target.numel(), 1, LossSettings(0.1, PAD))
     assert ops.seen == []
     # The check can fail: without the host-side indices the model finds them on the device.
     micro[0].src_index = micro[0].tgt_index = micro[0].target = None
     with _SyncingOps() as ops:
-        accumulate_gradients(model, micro, int((micro[0].tgt_out != PAD).sum()), 1, 0.1, PAD)
+        accumulate_gradients(model, micro, int((micro[0].tgt_out != PAD).sum()), 1, LossSettings(0.1, PAD))
     assert "nonzero" in ops.seen
 
 

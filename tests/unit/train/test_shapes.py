@@ -1,4 +1,4 @@
-"""Micro-batches of stable shape (pipeline/train/shapes.py, `batching.collate(buckets=...)`):
+"""Micro-batches of stable shape (pipeline/plan/shapes.py, `token_batches.BatchLayout(buckets=...)`):
 the ladder against a hand-made table, the padded batch's step against the unpadded one's (the
 same loss and gradients, fp64), the loop with buckets on against off, and the shape count and
 padding over base's batch plan on a corpus of WMT14's size (4.5M pairs)."""
@@ -11,10 +11,14 @@ import torch
 
 from model import ModelConfig, Transformer
 from pipeline.config import Config
-from pipeline.train import batching, bill
+from pipeline.plan import bill
+from pipeline.train import token_batches
+from pipeline.train.corpus import Corpus
+from pipeline.train.token_batches import BatchLayout
 from pipeline.train.loop import LocalSession, train_worker
-from pipeline.train.shapes import ShapeBuckets, ladder, real_shape
-from pipeline.train.step import accumulate_gradients, to_device
+from pipeline.plan.shapes import ShapeBuckets, ladder, real_shape
+from pipeline.train.feeder import to_device
+from pipeline.train.step import LossSettings, accumulate_gradients
 from tests.unit.train.test_loop import shards, tiny_spec  # noqa: F401 (a fixture)
 
 
@@ -50,8 +54,8 @@ def _corpus(n: int = 60, seed: int = 0):
 def test_bucketed_collate_pads_to_the_shape_and_keeps_the_real_tokens():
     sv, so, tv, to = _corpus()
     rows = np.array([3, 7, 11, 19, 23])
-    plain = batching.collate(rows, sv, so, tv, to, 0, 2, 3)
-    b = batching.collate(rows, sv, so, tv, to, 0, 2, 3, buckets=ShapeBuckets())
+    plain = token_batches.collate(rows, Corpus(sv, so, tv, to), BatchLayout(0, 2, 3))
+    b = token_batches.collate(rows, Corpus(sv, so, tv, to), BatchLayout(0, 2, 3, buckets=ShapeBuckets()))
     want = ShapeBuckets().shape(*real_shape(so[rows + 1] - so[rows], to[rows + 1] - to[rows]))
     assert b.src.shape + b.tgt_in.shape[1:] + (len(b.src_index), len(b.tgt_index)) == want
     B, S, T = len(rows), plain.src.shape[1], plain.tgt_in.shape[1]
@@ -74,10 +78,10 @@ def test_a_bucketed_step_has_the_loss_and_gradients_of_the_unpadded_one():
     rows = np.array([1, 2, 5, 8, 13, 21, 34])
     results = []
     for buckets in (None, ShapeBuckets()):
-        b = batching.collate(rows, sv, so, tv, to, mc.pad_id, mc.bos_id, mc.eos_id, buckets=buckets)
+        b = token_batches.collate(rows, Corpus(sv, so, tv, to), BatchLayout(mc.pad_id, mc.bos_id, mc.eos_id, buckets=buckets))
         model.zero_grad()
-        loss, nll = accumulate_gradients(model, [to_device(b, torch.device("cpu"))], b.num_tgt_tokens, 1, 0.1,
-                                         mc.pad_id)
+        loss, nll = accumulate_gradients(model, [to_device(b, torch.device("cpu"))], b.num_tgt_tokens, 1,
+                                         LossSettings(0.1, mc.pad_id))
         results.append((loss, nll, [p.grad.clone() for p in model.parameters()], b.src.shape))
     (l0, n0, g0, s0), (l1, n1, g1, s1) = results
     assert s1[0] > s0[0] and s1[1] > s0[1]  # padded: rows and columns added
@@ -102,7 +106,7 @@ def test_the_loop_with_buckets_trains_as_without(shards, tmp_path):  # noqa: F81
 @pytest.mark.slow
 @pytest.mark.parametrize("workers,cap", [(8, 6250), (1, 6250), (1, 50000)])
 def test_base_on_a_wmt14_sized_corpus_has_few_shapes_and_little_padding(workers, cap):
-    """The issue's bound: <= 64 distinct micro-batch shapes per epoch and <= 10% padding for base
+    """The bound the buckets are sized for: <= 64 distinct micro-batch shapes per epoch and <= 10% padding for base
     (configs/base.toml: 25k target tokens per step, max_len 256) over 4.5M pairs of the bill's
     assumed lengths; 8 workers of 6250 padded tokens as shipped, or 1 GPU with accumulation or not."""
     cfg = Config()

@@ -1,16 +1,16 @@
 """Micro-batches of stable shape (`train.shape_buckets`): pure numpy, no torch, no Ray.
 
 Token-bucketed steps give every micro-batch a new (rows B, source columns S, target columns T,
-computed source positions Ms, computed target positions Mt). On a GPU each new shape costs
-~0.75 s for base on an H200 (cuDNN's SDPA builds a plan per shape, cuBLAS picks a GEMM per
-shape; issue 37's profile), and a run rarely repeats one, so the first GPU run spent most of its
-time choosing kernels. Here every one of the five sizes is rounded up to a *ladder*: the numbers
+computed source positions Ms, computed target positions Mt). On a GPU each new shape has its
+kernels chosen anew (cuDNN's SDPA builds a plan per shape, cuBLAS picks a GEMM per shape; what
+that costs: docs/benchmarks.md), and a run rarely repeats one, so without buckets a GPU run spends
+much of its time choosing kernels. Here every one of the five sizes is rounded up to a *ladder*: the numbers
 whose binary form has at most `bits` significant bits (bits = 4: 8, 9, ..., 15, 16, 18, ..., 30,
 32, 36, ...: 8 values per octave, each at most 12.5% above the last), and the sizes are tied
 (`ShapeBuckets`). A micro-batch's shape is then one of a few dozen per epoch, and kernel and
 attention-plan choices are made once per run.
 
-The padding is masked, as all padding is (`batching.collate`): added rows have a source of
+The padding is masked, as all padding is (`pipeline.train.token_batches.collate`): added rows have a source of
 [eos] and a decoder input of [bos] whose target is pad (ignored by the loss); added positions
 are pad positions. Losses and gradients equal the unpadded step's (tests/unit/train/test_shapes.py).
 What it costs is the padding overhead: computed positions (Ms + Mt, what the matmuls see) over

@@ -1,10 +1,10 @@
-"""Dev loss and perplexity (pipeline/train/validate.py) against a direct computation.
+"""Dev loss and perplexity (pipeline/train/dev_loss.py) against a direct computation.
 
 The reference takes each dev pair alone (no batching, no padding), builds the model's inputs by
 hand (source + eos, bos + target, target + eos) and sums PyTorch's own
 `F.cross_entropy(label_smoothing=)` and plain cross entropy over every target token; pairs longer
-than the model's positions are left out, as the Validator documents. Two workers are simulated in
-this process: each rank's Validator takes its stride of the batches, and the all-reduce adds the
+than the model's positions are left out, as DevLoss documents. Two workers are simulated in
+this process: each rank's DevLoss takes its stride of the batches, and the all-reduce adds the
 two ranks' sums, so the 2-worker figures must equal the direct ones too.
 """
 
@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from model import ModelConfig, Transformer
-from pipeline.train import validate
+from pipeline.train import dev_loss
 from pipeline.train.corpus import Corpus
-from pipeline.train.shapes import ShapeBuckets
-from pipeline.train.validate import Validator
+from pipeline.plan.shapes import ShapeBuckets
+from pipeline.train.dev_loss import DevLoss
+from pipeline.train.step import FusedOutput, LossSettings
 
 EPS = 0.1
 VOCAB, MAX_POSITIONS = 40, 24
@@ -53,7 +54,7 @@ def corpus_of(pairs) -> Corpus:
 def model_and_config():
     torch.manual_seed(0)
     mc = ModelConfig(vocab_size=VOCAB, d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
-                     max_positions=MAX_POSITIONS, dropout=0.3)  # dropout: the Validator must evaluate
+                     max_positions=MAX_POSITIONS, dropout=0.3)  # dropout: DevLoss must evaluate
     return Transformer(mc).train(), mc
 
 
@@ -76,8 +77,9 @@ def direct(model: Transformer, mc: ModelConfig, pairs) -> dict[str, float]:
     return {"val/loss": loss / n, "val/nll": nll / n, "val/ppl": math.exp(nll / n)}
 
 
-def validator(pairs, mc, rank: int, world: int, max_tokens: int, **gpu) -> Validator:
-    return Validator(corpus_of(pairs), mc, max_tokens, EPS, contextlib.nullcontext, rank, world, CPU, **gpu)
+def validator(pairs, mc, rank: int, world: int, max_tokens: int, buckets=None, fused_output=None) -> DevLoss:
+    loss = LossSettings(EPS, mc.pad_id, contextlib.nullcontext, fused_output=fused_output)
+    return DevLoss(corpus_of(pairs), mc, max_tokens, loss, rank, world, CPU, buckets)
 
 
 @pytest.mark.parametrize("max_tokens", [60, 400])  # many small batches with padding; a few wide ones
@@ -95,15 +97,15 @@ def test_one_worker_equals_the_direct_computation(model_and_config, max_tokens):
 @pytest.mark.parametrize("gpu", [{"buckets": ShapeBuckets()}, {"fused": True}, {"buckets": ShapeBuckets(), "fused": True}],
                          ids=["buckets", "fused", "both"])
 def test_gpu_batches_and_loss_change_no_figure(model_and_config, monkeypatch, gpu):
-    """What a GPU worker validates with: dev batches padded to the training steps' shape
+    """What a GPU worker computes the dev loss with: dev batches padded to the training steps' shape
     buckets, and the fused projection + loss; still the direct computation's figures."""
     model, mc = model_and_config
     pairs = dev_pairs(seed=2)
     shapes = []
-    to_device = validate.to_device
-    monkeypatch.setattr(validate, "to_device", lambda b, device: shapes.append(b.src.shape + b.tgt_in.shape)
+    to_device = dev_loss.to_device
+    monkeypatch.setattr(dev_loss, "to_device", lambda b, device: shapes.append(b.src.shape + b.tgt_in.shape)
                         or to_device(b, device))
-    fused = {"fused_output": (model.output_proj.weight, torch.float32)} if gpu.get("fused") else {}
+    fused = {"fused_output": FusedOutput(model.output_proj.weight, torch.float32)} if gpu.get("fused") else {}
     v = validator(pairs, mc, 0, 1, 120, buckets=gpu.get("buckets"), **fused)
     got = v(model)
     want = direct(model, mc, pairs)
@@ -133,9 +135,9 @@ def test_two_workers_strided_sum_equals_the_direct_computation(model_and_config,
 
     ranks = [validator(pairs, mc, r, 2, 80) for r in (0, 1)]
     assert len(ranks[0].batches) >= 4
-    monkeypatch.setattr(validate, "all_reduce_sum", fake_all_reduce(1))
+    monkeypatch.setattr(dev_loss, "all_reduce_sum", fake_all_reduce(1))
     assert ranks[1](model) is None  # only rank 0 reports
-    monkeypatch.setattr(validate, "all_reduce_sum", fake_all_reduce(0))
+    monkeypatch.setattr(dev_loss, "all_reduce_sum", fake_all_reduce(0))
     got = ranks[0](model)
     assert partial[0][2] > 0 and partial[1][2] > 0, "both strides hold target tokens"
     want = direct(model, mc, pairs)

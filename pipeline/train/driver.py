@@ -1,10 +1,12 @@
 """``train``: the Transformer on the encoded shards with Ray Train (TorchTrainer, DDP).
 
-Driver side (this module): checks the inputs before any worker starts (ids within the
-vocabulary, a non-empty training set, budgets that hold the longest pair), builds the
-`TorchTrainer`, and turns its `Result` into the stage's outputs (docs/stages.md) and plots.
-Worker side: `pipeline.train.loop` (the loop), `pipeline.train.batching` (token buckets),
-`pipeline.train.checkpoint` (the checkpoint folder), `pipeline.train.corpus` (the loader).
+Driver side (this module, the DAG's `train` entry): checks the inputs before any worker starts
+(ids within the vocabulary, a non-empty training set, budgets that hold the longest pair), logs
+the stage's bill (`pipeline.plan.bill`) as its run's params, builds the `TorchTrainer`, and turns
+its `Result` into the stage's outputs (docs/stages.md) and plots. Beside it on the driver:
+`elastic` (the worker range), `resume` (the run folder), `dev_bleu_validation` (dev BLEU per
+checkpoint). Worker side: `pipeline.train.loop` (the loop) and its parts, on the global batch plan
+of `pipeline.plan.step_groups`.
 
 Resume. The Ray Train run is named after the stage's cache key and lives under
 `run.storage_path` (default `<work_dir>/ray_train`). Ray Train V2 keeps a checkpoint-manager
@@ -28,22 +30,23 @@ import numpy as np
 import torch
 
 from model import ModelConfig
-from pipeline.ray_env import ensure_ray, node_cpus, worker_logging
 from pipeline import storage
-from pipeline.decoding.selection import kept_shortfall
-from pipeline.train import batching, dev_bleu
-from pipeline.train import checkpoint as train_checkpoint
-from pipeline.train import elastic, preemption
 from pipeline.config import Config
+from pipeline.config.devices import use_gpus
+from pipeline.decoding.selection import kept_shortfall
+from pipeline.models import model_config_for
+from pipeline.plan import step_groups
+from pipeline.plan.step_groups import worker_range
+from pipeline.ray_env import ensure_ray, node_cpus, worker_logging
 from pipeline.stage import StageContext, StageResult
+from pipeline.tracking import deliver_spool, spool_dir_for
+from pipeline.train import checkpoint as train_checkpoint
+from pipeline.train import dev_bleu_validation, elastic, preemption
 from pipeline.train.corpus import id_range, load_lengths, shard_files
 from pipeline.train.loop import LoopSpec, train_worker
-from pipeline.config.devices import use_gpus
-from pipeline.train.precision import describe as describe_precision
-from pipeline.train.session import SESSION_WRAPPER_ENV, RaySession
+from pipeline.train.device import describe as describe_precision
 from pipeline.train.resume import storage_path_for
-from pipeline.train.size import model_config_for
-from pipeline.tracking import deliver_spool, spool_dir_for
+from pipeline.train.session import SESSION_WRAPPER_ENV, RaySession
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str,
     src_len, tgt_len = lengths
     if len(src_len) == 0:
         raise TrainInputError(f"train: the training split {train_dir} is empty (0 pairs)")
-    keep = batching.keep_mask(src_len, tgt_len, tc.max_len)
+    keep = step_groups.keep_mask(src_len, tgt_len, tc.max_len)
     num_kept = int(keep.sum())
     if num_kept == 0:
         raise TrainInputError(f"train: all {len(src_len)} training pairs are longer than "
@@ -80,24 +83,24 @@ def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str,
     if tc.max_len + 1 > mc.max_positions:
         raise TrainInputError(f"train.max_len={tc.max_len} (+1 special token) exceeds "
                               f"model.max_positions={mc.max_positions}")
-    longest_tgt = int(batching.target_tokens(tgt_len[keep]).max())
+    longest_tgt = int(step_groups.target_tokens(tgt_len[keep]).max())
     if tc.tokens_per_step < longest_tgt:
         raise TrainInputError(f"train.tokens_per_step={tc.tokens_per_step} is smaller than one training pair "
                               f"({longest_tgt} target tokens with eos): a step must hold at least a sentence")
-    longest_padded = int(batching.padded_len(src_len[keep], tgt_len[keep]).max())
+    longest_padded = int(step_groups.padded_len(src_len[keep], tgt_len[keep]).max())
     if tc.max_tokens_per_batch < longest_padded:
         raise TrainInputError(f"train.max_tokens_per_batch={tc.max_tokens_per_batch} is smaller than the longest "
                               f"kept pair ({longest_padded} padded tokens): raise it or lower train.max_len")
     rows = np.flatnonzero(keep)
-    plan = batching.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
+    plan = step_groups.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
     # With a range, the smallest group: the most micro-batches per worker (workers split each step
     # by the world size they have at each (re)start, never by this number).
-    workers = elastic.worker_range(cfg)[0]
-    accum = [batching.split_step(g, src_len, tgt_len, workers, tc.max_tokens_per_batch).accum
+    workers = worker_range(cfg)[0]
+    accum = [step_groups.split_step(g, src_len, tgt_len, workers, tc.max_tokens_per_batch).accum
              for g in plan[:50]]
     stats = {"num_pairs": len(src_len), "num_kept": num_kept, "num_dropped_too_long": len(src_len) - num_kept,
              "steps_per_epoch": len(plan), "mean_tgt_tokens_per_step":
-             float(np.mean([batching.target_tokens(tgt_len[g]).sum() for g in plan])),
+             float(np.mean([step_groups.target_tokens(tgt_len[g]).sum() for g in plan])),
              "mean_pairs_per_step": float(np.mean([len(g) for g in plan])), "accum_mean": float(np.mean(accum)),
              "accum_max": int(max(accum))}
     log.info("train: %d pairs, %d kept, %d dropped as longer than train.max_len=%d pieces", len(src_len),
@@ -106,9 +109,9 @@ def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str,
              "%.1f micro-batch(es) on average (max %d) under %d padded tokens each", len(plan),
              stats["mean_tgt_tokens_per_step"], stats["mean_pairs_per_step"], workers,
              stats["accum_mean"], stats["accum_max"], tc.max_tokens_per_batch)
-    if stats["mean_pairs_per_step"] < elastic.worker_range(cfg)[1]:
+    if stats["mean_pairs_per_step"] < worker_range(cfg)[1]:
         log.warning("train: fewer pairs per step (%.1f) than workers (%d): some workers idle each step",
-                    stats["mean_pairs_per_step"], elastic.worker_range(cfg)[1])
+                    stats["mean_pairs_per_step"], worker_range(cfg)[1])
     return stats
 
 
@@ -172,15 +175,15 @@ def cpus_per_worker(cfg: Config, use_gpu: bool) -> int:
         return 1
     per_node = node_cpus()
     # Left free for the dev BLEU task (eval.dev_bleu_resources), which would else wait for the end.
-    spare = dev_bleu.reserved_cpus(cfg)
+    spare = dev_bleu_validation.reserved_cpus(cfg)
     total, largest = sum(per_node) - spare, max(per_node, default=1) - spare
     # A range: shared out over the most workers, so that the largest group fits.
-    return max(1, int(min(total // elastic.worker_range(cfg)[1], largest)))
+    return max(1, int(min(total // worker_range(cfg)[1], largest)))
 
 
 def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str, validation: Any = None) -> Any:
     """Run (or resume) the Ray Train run `run_name`; the `Result`. `validation`: a Ray Train
-    ``ValidationConfig`` (dev BLEU per checkpoint, pipeline/train/dev_bleu.py) or None."""
+    ``ValidationConfig`` (dev BLEU per checkpoint, pipeline/train/dev_bleu_validation.py) or None."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -231,8 +234,8 @@ def checkpoint_uris(result: Any, storage_path: str) -> list[str]:
 
 def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg
-    encode = ctx.inputs["encode"].outputs
-    mc = model_config_for(cfg, ctx.inputs["vocab"].outputs)
+    encode, vocab = ctx.inputs["encode"].outputs, ctx.inputs["vocab"].outputs
+    mc = model_config_for(cfg, vocab)
     train_dir = encode["splits"]["train"]["dir"]
     dev_dir = encode["splits"].get("dev", {}).get("dir", "")
     lengths = load_lengths(train_dir)  # read once: the checks and the bill
@@ -243,9 +246,8 @@ def run(ctx: StageContext) -> StageResult:
                     run_id=getattr(ctx.tracker, "run_id", None), session_wrapper=_session_wrapper())
     storage_path = storage_path_for(cfg)
     run_dir = storage.join(storage_path, ctx.key)
-    vocab = ctx.inputs["vocab"].outputs
-    validation = dev_bleu.validation_config(cfg, dev_dir=dev_dir, vocab=vocab, run_dir=run_dir,
-                                            tracking_uri=spec.tracking_uri, run_id=spec.run_id)
+    validation = dev_bleu_validation.validation_config(cfg, dev_dir=dev_dir, vocab=vocab, run_dir=run_dir,
+                                                       tracking_uri=spec.tracking_uri, run_id=spec.run_id)
     spec.dev_bleu_dir = storage.absolute(run_dir) if validation is not None else ""
     check_early_stop(cfg, dev_dir, vocab)
     _log_bill(ctx, mc, lengths)
@@ -259,15 +261,8 @@ def run(ctx: StageContext) -> StageResult:
     if not checkpoints:
         raise RuntimeError(f"train: the run {ctx.key} under {storage_path} finished without a checkpoint")
     final_step = int(summary.get("final_step") or train_checkpoint_step(checkpoints[-1]))
-    dev, dev_metrics = dev_bleu.summarize(run_dir, cfg, dev_dir, vocab)
-    shortfall = kept_shortfall(cfg, len(checkpoints))
-    early = summary.get("early_stop") or None
-    if early:
-        log.info("train: stopped early at step %d of %d: %s did not improve for %d validation(s) (best %s at step %s)",
-                 early["step"], early["max_steps"], early["metric"], early["num_bad"], early["best"],
-                 early["best_step"])
-    if shortfall:
-        log.warning("train: %s", shortfall)
+    dev, dev_metrics = dev_bleu_validation.summarize(run_dir, cfg, dev_dir, vocab)
+    _log_end(cfg, summary, final_step, len(checkpoints))
     history = {"train": summary.get("history_train", []), "val": summary.get("history_val", [])}
     ctx.tracker.set_tags({"train.precision_used": str(summary.get("precision"))})  # what "auto" became
     storage.write_json(storage.join(ctx.out_dir, "history.json"), history)
@@ -281,25 +276,41 @@ def run(ctx: StageContext) -> StageResult:
                "train/wall_s": float(summary.get("train_time_s", 0.0)),
                "train/driver_wall_s": time.time() - t0,
                **{f"val/final_{k[4:]}": float(v) for k, v in last.items() if k.startswith("val/")}, **dev_metrics}
+    outputs = {"checkpoints": checkpoints, "final_step": final_step, "run_name": ctx.key,
+               "storage_path": storage_path, "model_config": mc.to_dict(), "data": stats, "dev_bleu": dev,
+               "tracking_pending_points": pending_points,  # spooled at the end of training (see above)
+               **_summary_outputs(cfg, summary)}
+    return StageResult(outputs=outputs, metrics=metrics)
+
+
+def _log_end(cfg: Config, summary: dict[str, Any], final_step: int, num_checkpoints: int) -> None:
+    """Why the run ended early (if it did), a shortfall of kept checkpoints, what it saw."""
+    early = summary.get("early_stop") or None
+    if early:
+        log.info("train: stopped early at step %d of %d: %s did not improve for %d validation(s) (best %s at step %s)",
+                 early["step"], early["max_steps"], early["metric"], early["num_bad"], early["best"],
+                 early["best_step"])
+    shortfall = kept_shortfall(cfg, num_checkpoints)
+    if shortfall:
+        log.warning("train: %s", shortfall)
     tokens = summary.get("tokens_seen", {"src": 0, "tgt": 0})
-    on_gpu = gpu_training(ctx.cfg)
-    log.info("train: done at step %d, %d checkpoint(s) kept, %d target tokens seen", final_step,
-             len(checkpoints), tokens["tgt"])
-    return StageResult(
-        outputs={"checkpoints": checkpoints, "final_step": final_step, "run_name": ctx.key,
-                 "storage_path": storage_path, "tokens_seen": tokens,
-                 "wall_s": float(summary.get("train_time_s", 0.0)), "model_config": mc.to_dict(),
-                 "data": stats, "precision": summary.get("precision"), "dev_bleu": dev,
-                 "resumed_from_step": int(summary.get("start_step", 0)),
-                 "early_stop": early,  # None, or where and why early stopping ended the run (score's report)
-                 "tracking_pending_points": pending_points,  # spooled at the end of training (see above)
-                 # For the score report: the compute this result cost (loop time x workers).
-                 # The last attempt's group (an elastic run may have changed size on the way).
-                 "num_workers": int(summary.get("world_size") or elastic.worker_range(ctx.cfg)[1]),
-                 "device": "GPU" if on_gpu else "CPU",
-                 "gpu_hours": float(summary.get("train_time_s", 0.0)) * int(summary.get("world_size") or 1) / 3600
-                 if on_gpu else 0.0},
-        metrics=metrics)
+    log.info("train: done at step %d, %d checkpoint(s) kept, %d target tokens seen", final_step, num_checkpoints,
+             tokens["tgt"])
+
+
+def _summary_outputs(cfg: Config, summary: dict[str, Any]) -> dict[str, Any]:
+    """The stage's outputs taken from the workers' summary (rank 0's)."""
+    on_gpu = gpu_training(cfg)
+    train_time_s = float(summary.get("train_time_s", 0.0))
+    return {"tokens_seen": summary.get("tokens_seen", {"src": 0, "tgt": 0}), "wall_s": train_time_s,
+            "precision": summary.get("precision"),
+            "resumed_from_step": int(summary.get("start_step", 0)),
+            "early_stop": summary.get("early_stop") or None,  # None, or where and why early stopping ended the run
+            # For the score report: the compute this result cost (loop time x workers).
+            # The last attempt's group (an elastic run may have changed size on the way).
+            "num_workers": int(summary.get("world_size") or worker_range(cfg)[1]),
+            "device": "GPU" if on_gpu else "CPU",
+            "gpu_hours": train_time_s * int(summary.get("world_size") or 1) / 3600 if on_gpu else 0.0}
 
 
 def check_early_stop(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> None:
@@ -307,7 +318,7 @@ def check_early_stop(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> None:
     tc = cfg.train
     if not tc.early_stop_patience:
         return
-    why = (dev_bleu.unavailable(cfg, dev_dir, vocab) if tc.early_stop_metric == "dev_bleu"
+    why = (dev_bleu_validation.unavailable(cfg, dev_dir, vocab) if tc.early_stop_metric == "dev_bleu"
            else None if dev_dir else "the encode stage has no dev split")
     if why:
         raise TrainInputError(f"train.early_stop_patience = {tc.early_stop_patience} on "
@@ -317,8 +328,8 @@ def check_early_stop(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> None:
 
 
 def _log_bill(ctx: StageContext, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray]) -> None:
-    """--plan's bill (pipeline/train/bill.py) as the run's MLflow params; never fails training."""
-    from pipeline.train import bill
+    """--plan's bill (pipeline/plan/bill.py) as the run's MLflow params; never fails training."""
+    from pipeline.plan import bill
 
     try:
         b = bill.for_lengths(ctx.cfg, mc, lengths)

@@ -1,4 +1,4 @@
-"""The train stage's bill (pipeline/train/bill.py, pipeline/train/flops.py): torch's FLOP counter
+"""The train stage's bill (pipeline/plan/bill.py, pipeline/plan/flops.py): torch's FLOP counter
 on the real model against matmul and attention FLOPs by formula for a tiny model; the printed
 hours against the formula from the bill's own printed inputs; the MFU from a gpu_check JSON;
 --plan's bill from a cached encode stage; the same figures as the train run's MLflow params."""
@@ -15,11 +15,11 @@ import pytest
 from model import ModelConfig
 from pipeline.config import ConfigError, load_config
 from pipeline.stage import Manifest
-from pipeline.train import bill
-from pipeline.train import flops
-from pipeline.train.flops import MicroShape, count_step_flops, six_n_t, step_flops
+from pipeline.plan import bill
+from pipeline.plan import flops
+from pipeline.plan.flops import MicroShape, count_step_flops, six_n_t, step_flops
 from pipeline.train.corpus import load_lengths
-from pipeline.train.stage import _log_bill
+from pipeline.train.driver import _log_bill
 from tests.support.synthetic import write_reverse_task
 from workflows.runner import format_bill, make_plan
 
@@ -165,7 +165,7 @@ def test_plan_bills_with_the_cached_encode_stage_and_the_run_logs_it(tmp_path):
     ctx = SimpleNamespace(cfg=cfg, tracker=SimpleNamespace(log_params=logged.update))
     mc = ModelConfig(vocab_size=64, d_model=32, d_ff=64, n_heads=2)
     _log_bill(ctx, mc, load_lengths(str(train_dir)))
-    b = bill.for_train_dir(cfg, mc, str(train_dir))
+    b = bill.for_lengths(cfg, mc, load_lengths(str(train_dir)))
     assert logged["bill/hours"] == f"{b.hours:.4g}" and logged["bill/num_gpus"] == 2
     assert logged["bill/mfu_source"].startswith("an ASSUMPTION")
 
@@ -206,8 +206,9 @@ def test_the_host_cost_per_op_is_the_measured_step_over_the_counted_ops():
 
 
 def test_an_eager_bill_is_bounded_by_the_host_and_prints_how():
-    """The Multi30k tiny recipe, eager: 8.6 s of math at the assumed MFU, ~9 min measured (docs/benchmarks.md);
-    the bill's hours are its host floor, computed from the printed figures."""
+    """The Multi30k tiny recipe, eager: seconds of math at the assumed MFU, minutes measured
+    (docs/benchmarks.md, "The bill's host floor"); the bill's hours are its host floor, computed from
+    the printed figures."""
     cfg = load_config(["configs/multi30k-tiny.toml"], ["--train.compile=false"])
     mc = ModelConfig(vocab_size=8000, d_model=128, d_ff=256, n_heads=4, n_encoder_layers=4, n_decoder_layers=4,
                      dropout=0.3)

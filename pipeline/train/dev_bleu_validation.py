@@ -3,7 +3,7 @@
 The train stage gives its `TorchTrainer` a ``ValidationConfig(fn=validate_checkpoint, ...)``
 (``validation_config``) and rank 0 reports each checkpoint with ``validation=True``. Ray Train
 2.60 then, once the checkpoint is registered (its upload complete), runs ``validate_checkpoint``
-(``dev_bleu_task.py``) in a Ray task of its own (``eval.dev_bleu_resources``: a CPU by default, a
+(``pipeline/train/dev_bleu_task.py``) in a Ray task of its own (``eval.dev_bleu_resources``: a CPU by default, a
 GPU if given), at most one at a time (``MAX_IN_FLIGHT_VALIDATIONS = 1`` in its ValidationManager),
 while the workers train on: ``ray.train.report`` does not wait for it. The returned metrics are
 merged into the checkpoint's metrics in Ray's checkpoint-manager snapshot; a task that raises is

@@ -3,8 +3,8 @@
 `count_step_flops` runs the Transformer's forward, the label-smoothed loss and the backward of
 every micro-batch of a step under `torch.utils.flop_counter.FlopCounterMode`, on PyTorch's
 ``meta`` device: the real modules at their real shapes, with no memory and no arithmetic (each
-run still costs ~0.5-2 s of Python per micro-batch on a 2-core CPU, whatever its size, so the
-bill uses `step_flops`: six counted probes per model, then a linear form). What the counter counts:
+run still costs seconds of Python per micro-batch on a small CPU, whatever its size, so the bill
+uses `step_flops`: six counted probes per model, then a linear form). What the counter counts:
 every matmul (the Q/K/V/O projections, the FFN, the output projection over the vocabulary) and
 attention (SDPA's scores and weighted sums, at the padded (B, h, T, S) shapes the kernel
 computes), forward and backward; elementwise work (softmax, LayerNorm, dropout, the loss, Adam)
@@ -12,7 +12,7 @@ is left out, as in every MFU figure. The backward of a matmul counts twice its f
 
 Shapes come from lengths alone (`MicroShape`): a micro-batch of B pairs padded to S source and
 T target columns, with Ms and Mt real positions (the model computes position-wise work on those
-only, `model.padding.Positions`), as `pipeline.train.batching.collate` builds it on a GPU
+only, `model.padding.Positions`), as `pipeline.train.token_batches.collate` builds it on a GPU
 (no row rounding). Imports torch, numpy and the model only: benchmarks/gpu_check.py uses it.
 """
 
@@ -31,7 +31,7 @@ from model import ModelConfig, NonPad, Transformer, label_smoothed_nll
 
 @dataclass(frozen=True)
 class MicroShape:
-    """The shapes of one padded micro-batch (`batching.collate`, row_multiple 1)."""
+    """The shapes of one padded micro-batch (`token_batches.collate`, row_multiple 1)."""
 
     B: int  # pairs
     S: int  # source columns: the longest source + eos
@@ -146,7 +146,7 @@ def _linear_form(mc: ModelConfig, label_smoothing: float) -> np.ndarray | None:
 
 def step_flops(mc: ModelConfig, micro: list[MicroShape], label_smoothing: float = 0.1) -> int:
     """`count_step_flops`'s number without running the counter per micro-batch: the counter runs
-    six times per model (~1 s each on a 2-core CPU, the meta device's per-op overhead) and every
+    six times per model (each paying the meta device's per-op overhead) and every
     micro-batch is then a dot product; a bill samples dozens of micro-batches (steps x workers).
     Falls back to counting each micro-batch if the linear form does not hold for this model."""
     coef = _linear_form(mc, label_smoothing)

@@ -3,7 +3,7 @@
     hours     = max_steps x FLOPs per step / (GPUs x peak FLOP/s per GPU x MFU) / 3600
     GPU-hours = GPUs x hours
 
-- FLOPs per step: counted by torch's FLOP counter on the real model (`pipeline.train.flops`, meta
+- FLOPs per step: counted by torch's FLOP counter on the real model (`pipeline.plan.flops`, meta
   device, forward + backward) over sampled steps of the real batch plan: the encode stage's
   training lengths when it is cached, else `ASSUMED_LENGTHS` (stated in the bill). The 6·N·T
   rule's figure is printed beside it.
@@ -13,8 +13,8 @@
   as an assumption. gpu_check measures one GPU: the all-reduce between GPUs, validation and
   checkpoints are not in it, so the bill is a lower bound of the wall time; the progress line's
   ETA (measured) is the number to trust once training runs.
-- The host floor: an eager step cannot be faster than the host dispatches its ops (issue 37: the
-  Multi30k tiny recipe computed 8.6 s of math in ~9 min, host-bound). Its ops are counted
+- The host floor: an eager step cannot be faster than the host dispatches its ops (a small model
+  on a GPU is host-bound: docs/benchmarks.md, "The bill's host floor"). Its ops are counted
   (`flops.count_step_ops`, per micro-batch, times a worker's micro-batches per step) at
   `HOST_S_PER_OP` each, and an eager bill's hours are the larger of the two. A compiled step
   dispatches far fewer ops, by an amount not measured yet: its bill prints the eager floor as an
@@ -37,9 +37,11 @@ import torch
 from model import ModelConfig, Transformer, size_name
 from pipeline.config import Config, ConfigError
 from pipeline.config.devices import on_for
-from pipeline.train import batching, elastic
-from pipeline.train.flops import MicroShape, count_step_ops, six_n_t, step_flops
-from pipeline.train.shapes import EpochShapes, ShapeBuckets, epoch_report
+from pipeline.models import model_config_for
+from pipeline.plan import step_groups
+from pipeline.plan.flops import MicroShape, count_step_ops, six_n_t, step_flops
+from pipeline.plan.shapes import EpochShapes, ShapeBuckets, epoch_report
+from pipeline.plan.step_groups import worker_range
 
 # Dense (no structured sparsity) 16-bit tensor-core peak per GPU: bf16, or fp16 on GPUs without
 # bf16 (V100, T4), from NVIDIA's datasheets. Where a datasheet prints only the sparse figure
@@ -64,11 +66,12 @@ ASSUMED_LENGTHS = "assumed lengths (no cached encode output): source pieces ~ lo
 # The corpus `epoch_shapes` assumes when nothing is encoded yet: the source's training pairs
 # (WMT14 EN-DE ~4.5M, §5.1; Multi30k 29,000); EN-FR's 36M is counted at EN-DE's size (seconds, not a minute).
 ASSUMED_PAIRS = {"wmt14": 4_500_000, "multi30k": 29_000}
-# Host seconds per aten op of an eager GPU step, from the one measurement there is (issue 37, an H200
-# machine, torch 2.11, bf16 autocast): the Multi30k tiny recipe's eager step took 61.6 ms of host CPU
-# time for two micro-batches of 1,275 aten ops each (`flops.count_step_ops` of that model, fp32: the
-# autocast casts and the optimizer are inside this per-op figure): 24.2 us per op.
-# tests/unit/train/test_bill.py keeps it consistent with the count. An assumption for other hosts.
+# Host seconds per aten op of an eager GPU step, from the one measurement there is (docs/benchmarks.md,
+# "The bill's host floor": an H200 machine, torch 2.11, bf16 autocast): the Multi30k tiny recipe's
+# eager step took 61.6 ms of host CPU time for two micro-batches of 1,275 aten ops each
+# (`flops.count_step_ops` of that model, fp32: the autocast casts and the optimizer are inside this
+# per-op figure): 24.2 us per op.
+# tests/unit/plan/test_bill.py keeps it consistent with the count. An assumption for other hosts.
 HOST_S_PER_OP = 24.2e-6
 SAMPLE_ROWS = 200_000  # rows the batch plan is built from (a uniform sample: the same length distribution)
 SAMPLE_STEPS = 6  # steps counted: one per stratum of the steps sorted by length (steps are length buckets)
@@ -215,18 +218,18 @@ def sample_steps(src_len: np.ndarray, tgt_len: np.ndarray, cfg: Config, num_step
     one per stratum of the steps sorted by mean length, split over the most workers; and each
     step's busiest worker's micro-batch count."""
     tc = cfg.train
-    rows = np.flatnonzero(batching.keep_mask(src_len, tgt_len, tc.max_len))
+    rows = np.flatnonzero(step_groups.keep_mask(src_len, tgt_len, tc.max_len))
     if len(rows) > SAMPLE_ROWS:
         rows = np.sort(np.random.default_rng(tc.seed).choice(rows, SAMPLE_ROWS, replace=False))
-    plan = batching.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
+    plan = step_groups.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
     if not plan:
         raise ConfigError("train.tokens_per_step: the training split makes no step")
     by_len = sorted(plan, key=lambda g: float(np.mean(tgt_len[g])))
     picks = sorted({int((i + 0.5) * len(by_len) / num_steps) for i in range(num_steps)})
-    workers = elastic.worker_range(cfg)[1]
+    workers = worker_range(cfg)[1]
     steps, busiest = [], []
     for i in picks:
-        split = batching.split_step(by_len[min(i, len(by_len) - 1)], src_len, tgt_len, workers,
+        split = step_groups.split_step(by_len[min(i, len(by_len) - 1)], src_len, tgt_len, workers,
                                     tc.max_tokens_per_batch)
         steps.append([MicroShape.of(src_len[c], tgt_len[c]) for chunks in split.chunks for c in chunks if len(c)])
         busiest.append(max(sum(1 for c in chunks if len(c)) for chunks in split.chunks))
@@ -243,13 +246,13 @@ def assumed_lengths(cfg: Config, n: int = 50_000) -> tuple[np.ndarray, np.ndarra
 
 def shapes_report(cfg: Config, mc: ModelConfig, src_len: np.ndarray, tgt_len: np.ndarray) -> EpochShapes:
     """The distinct micro-batch shapes of epoch 0's batch plan with GPU shape buckets
-    (`pipeline.train.shapes`), split over the most workers, and their padding."""
+    (`pipeline.plan.shapes`), split over the most workers, and their padding."""
     tc = cfg.train
-    rows = np.flatnonzero(batching.keep_mask(src_len, tgt_len, tc.max_len))
-    plan = batching.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
-    workers = elastic.worker_range(cfg)[1]
+    rows = np.flatnonzero(step_groups.keep_mask(src_len, tgt_len, tc.max_len))
+    plan = step_groups.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
+    workers = worker_range(cfg)[1]
     micro = [(src_len[c], tgt_len[c]) for g in plan
-             for w in batching.split_step(g, src_len, tgt_len, workers, tc.max_tokens_per_batch).chunks
+             for w in step_groups.split_step(g, src_len, tgt_len, workers, tc.max_tokens_per_batch).chunks
              for c in w if len(c)]
     return epoch_report(micro, ShapeBuckets(), mc.max_positions)
 
@@ -264,7 +267,7 @@ def epoch_shapes(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.nda
         where = f"the training split's {len(lengths[0]):,} pairs"
     report = shapes_report(cfg, mc, *lengths)
     use = {"auto": "on a GPU", True: "on", False: "OFF"}[cfg.train.shape_buckets]
-    return (f"epoch 0 over {where}, {elastic.worker_range(cfg)[1]} worker(s), train.shape_buckets {use}: "
+    return (f"epoch 0 over {where}, {worker_range(cfg)[1]} worker(s), train.shape_buckets {use}: "
             f"{report.format()}")
 
 
@@ -292,7 +295,7 @@ def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarra
         notes.append("train.precision = fp32: the peak is the 16-bit one; fp32 (TF32) reaches less")
     with torch.device("meta"):
         num_params = Transformer(mc).num_parameters()
-    return Bill(num_params=num_params, max_steps=tc.max_steps, num_gpus=elastic.worker_range(cfg)[1],
+    return Bill(num_params=num_params, max_steps=tc.max_steps, num_gpus=worker_range(cfg)[1],
                 gpu_type=tc.gpu_type, peak_flops=peak, peak_source=peak_source, mfu=mfu, mfu_source=mfu_source,
                 flops_per_step=float(np.mean(flops)),
                 tgt_tokens_per_step=float(np.mean([sum(m.Mt for m in s) for s in steps])),
@@ -308,8 +311,11 @@ def for_lengths(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndar
     return make_bill(cfg, mc, lengths, f"the encode stage's {len(lengths[0]):,} training pairs", mfu_from, shapes)
 
 
-def for_train_dir(cfg: Config, mc: ModelConfig, train_dir: str, mfu_from: str = "", shapes: bool = False) -> Bill:
-    """The bill with the encode stage's training lengths, read from its split (a cached --plan)."""
-    from pipeline.train.corpus import load_lengths
-
-    return for_lengths(cfg, mc, load_lengths(train_dir), mfu_from, shapes)
+def num_parameters(cfg: Config, vocab_size: int | None = None) -> int:
+    """Trainable parameters (the tied embedding counted once) of ``cfg.model`` at ``vocab_size``
+    (default ``vocab.size``: the vocab stage's model has exactly that many pieces unless
+    SentencePiece could not reach it). The Transformer is built on PyTorch's ``meta`` device: real
+    modules, real shapes, no memory, so the count is the train stage's model's (Table 3's rows)."""
+    mc = model_config_for(cfg, {"vocab_size": vocab_size or cfg.vocab.size})
+    with torch.device("meta"):
+        return Transformer(mc).num_parameters()
