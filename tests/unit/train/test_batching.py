@@ -180,5 +180,5 @@ def test_rounding_never_widens_past_the_models_positions():
     ([], [1], [1], 8, []),
 ])
 def test_plan_eval_batches_match_hand_packed_batches(rows, src, tgt, cap, expected):
-    batches = batching.plan_eval_batches(np.array(rows, dtype=np.int64), np.array(src), np.array(tgt), cap)
+    batches = step_groups.plan_eval_batches(np.array(rows, dtype=np.int64), np.array(src), np.array(tgt), cap)
     assert [b.tolist() for b in batches] == expected
