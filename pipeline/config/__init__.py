@@ -12,13 +12,15 @@ Part of the pipeline core: imports the standard library and `model.config` only.
 
 from .checks import ConfigError, parse_resources
 from .loader import coerce, from_dict, load_config, parse_overrides, typed_fields
-from .schema import (AttentionBackend, Auto, AverageSelect, Backend, CheckpointUpload, Config, DataConfig, DecodeSettings, EarlyStopMetric,
-                     EvalConfig, GradCompression, ModelSection, Placement, Precision, Preprocess, Quantization,
-                     RunConfig, Source, Split, TrackingConfig, TrainConfig, VocabConfig, VocabModel, keyed_if_set, op)
+from .schema import (MOVED_KEYS, AttentionBackend, Auto, AverageSelect, Backend, CheckpointConfig, CheckpointUpload, Config,
+                     DataConfig, DecodeSettings, EarlyStopMetric, EvalConfig, GradCompression, MetricsConfig, ModelSection,
+                     Placement, PlanConfig, Precision, Preprocess, Quantization, RunConfig, Source, SpeedConfig, Split,
+                     TrackingConfig, TrainConfig, VocabConfig, VocabModel, WorkersConfig, keyed_if_set, op)
 
 __all__ = [
-    "AttentionBackend", "Auto", "AverageSelect", "Backend", "CheckpointUpload", "Config", "ConfigError", "DataConfig", "DecodeSettings",
-    "EarlyStopMetric", "EvalConfig", "GradCompression", "ModelSection", "Placement", "Precision", "Preprocess",
-    "Quantization", "RunConfig", "Source", "Split", "TrackingConfig", "TrainConfig", "VocabConfig", "VocabModel",
+    "MOVED_KEYS", "AttentionBackend", "Auto", "AverageSelect", "Backend", "CheckpointConfig", "CheckpointUpload", "Config",
+    "ConfigError", "DataConfig", "DecodeSettings", "EarlyStopMetric", "EvalConfig", "GradCompression", "MetricsConfig",
+    "ModelSection", "Placement", "PlanConfig", "Precision", "Preprocess", "Quantization", "RunConfig", "Source",
+    "SpeedConfig", "Split", "TrackingConfig", "TrainConfig", "VocabConfig", "VocabModel", "WorkersConfig",
     "coerce", "from_dict", "keyed_if_set", "load_config", "op", "parse_overrides", "parse_resources", "typed_fields",
 ]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .checks import ConfigError, allowed, check_value
-from .schema import Config
+from .schema import MOVED_KEYS, Config
 
 
 def coerce(value: Any, tp: Any, key: str) -> Any:
@@ -81,6 +81,9 @@ def _apply(cfg: Config, values: dict[str, Any], origin: str) -> None:
                               f"(known: {', '.join(hints)})")
         if not isinstance(section_values, dict):
             raise ConfigError(f"{section_name}: expected a [table] in {origin}")
+        for key in section_values:
+            if (new := MOVED_KEYS.get(f"{section_name}.{key}")) is not None:
+                raise ConfigError(f"{section_name}.{key} is now {new} (in {origin})")
         section = getattr(cfg, section_name)
         for key, value in typed_fields(type(section), section_values, origin, f"{section_name}.").items():
             setattr(section, key, value)

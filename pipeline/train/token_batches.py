@@ -56,7 +56,7 @@ def collate(rows: np.ndarray, src_values: np.ndarray, src_offsets: np.ndarray, t
     builds a bf16 GEMM kernel per shape, and without rounding every micro-batch of a CPU bf16 run
     has new shapes (docs/benchmarks.md, "bf16 on CPU").
 
-    `buckets` (GPUs: `train.shape_buckets`) pads the batch to its bucketed shape instead
+    `buckets` (GPUs: `speed.shape_buckets`) pads the batch to its bucketed shape instead
     (`pipeline.plan.shapes`; `row_multiple` is then unused): more rows, each a source of [eos]
     and a decoder input of [bos] with a pad target, more columns, and more computed positions
     (pad positions, as above)."""
