@@ -3,7 +3,7 @@
 The same model (d_model 256, d_ff 1024, 4 heads, 3+3 layers, one shared 8000-piece SentencePiece
 vocabulary, dropout 0.1, label smoothing 0.1, Noam lr factor 2 with 1000 warmup steps, ~2700 target
 tokens per step) on the same Multi30k task 1 EN->DE data (raw, cased), each side with the precision
-that is fastest for it on this CPU (ours: train.precision = "auto", bf16 on AVX512-BF16/AMX; eole:
+that is fastest for it on this CPU (ours: speed.precision = "auto", bf16 on AVX512-BF16/AMX; eole:
 fp32), for the same wall-clock training budget. Both average their last 5 checkpoints, decode
 test_2016_flickr (1,000 sentences) with beam 4 and alpha 0.6 (GNMT length penalty), and are scored
 with sacreBLEU (default settings) against the raw German reference.
@@ -65,8 +65,8 @@ SMOKE_SEC_PER_STEP = 0.15
 SMOKE = {  # a tiny model on a slice of the data: proves the plumbing, not the numbers
     "vocab.size": 1000, "model.d_model": 64, "model.d_ff": 128, "model.n_heads": 2,
     "model.n_encoder_layers": 1, "model.n_decoder_layers": 1, "train.tokens_per_step": 800,
-    "train.max_tokens_per_batch": 1024, "train.warmup_steps": 100, "train.eval_interval_steps": 50,
-    "train.log_interval_steps": 10, "data.max_pairs_per_corpus": 3000, "eval.max_sentences": 40,
+    "speed.max_tokens_per_batch": 1024, "train.warmup_steps": 100, "metrics.val_loss_interval_steps": 50,
+    "metrics.log_interval_steps": 10, "data.max_pairs_per_corpus": 3000, "eval.max_sentences": 40,
 }
 
 
@@ -118,7 +118,7 @@ def ensure_eole(venv: Path) -> dict[str, str]:
 
 def our_overrides(args: argparse.Namespace, steps: int, ckpt: int) -> list[str]:
     out = [f"--data.mirror={args.data_mirror}", f"--run.work_dir={args.work_dir}",
-           f"--train.max_steps={steps}", f"--train.checkpoint_interval_steps={ckpt}"]
+           f"--train.max_steps={steps}", f"--checkpoint.interval_steps={ckpt}"]
     if args.smoke:
         out += [f"--{k}={v}" for k, v in SMOKE.items()]
     return out
@@ -231,9 +231,9 @@ def eole_train_config(args: argparse.Namespace, cfg: Any, data: dict[str, Any], 
         "data": {"corpus_1": {"path_src": f["train.en"], "path_tgt": f["train.de"]},
                  "valid": {"path_src": f["valid.en"], "path_tgt": f["valid.de"]}},
         "training": {
-            "model_path": str(eole_dir / "model"), "keep_checkpoint": t.keep_checkpoints,
+            "model_path": str(eole_dir / "model"), "keep_checkpoint": cfg.checkpoint.num_to_keep,
             "save_checkpoint_steps": ckpt, "train_steps": 10_000_000,  # stopped by the budget
-            "valid_steps": t.eval_interval_steps, "valid_batch_size": 4096,
+            "valid_steps": cfg.metrics.val_loss_interval_steps, "valid_batch_size": 4096,
             "world_size": 1, "gpu_ranks": [],  # CPU
             "compute_dtype": args.eole_dtype,
             "batch_type": "tokens", "batch_size": batch_size, "batch_size_multiple": 1,
@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         f"vocabulary (our spm.model), dropout {cfg.model.dropout}, label smoothing {cfg.train.label_smoothing}, "
         f"Noam lr factor {cfg.train.lr_scale} / {cfg.train.warmup_steps} warmup, ~{cfg.train.tokens_per_step} target "
         f"tokens per step, last {cfg.eval.average_last} checkpoints (every {ckpt} steps) averaged.",
-        f"Precision: ours train.precision = {cfg.train.precision!r} -> {precision}; eole compute_dtype {args.eole_dtype}.",
+        f"Precision: ours speed.precision = {cfg.speed.precision!r} -> {precision}; eole compute_dtype {args.eole_dtype}.",
         "Norm placement: ours post-norm (the paper's); eole PRE-norm (eole 0.6.4 has no post-norm decoder layer).",
         f"Training time: ours = the train stage's loop time (manifest wall_s), budget {args.budget_s:.0f} s as "
         f"max_steps {steps}; eole = stopped {et['loop_s']:.0f} s after its 'Start training loop' line (start-up "

@@ -159,10 +159,10 @@ def child(args: argparse.Namespace) -> None:
 
     cfg = Config()
     t = cfg.train
-    t.max_steps, t.tokens_per_step, t.max_tokens_per_batch = args.steps, 25000, 12500
-    t.log_interval_steps = t.checkpoint_interval_steps = t.eval_interval_steps = args.steps
+    t.max_steps, t.tokens_per_step, cfg.speed.max_tokens_per_batch = args.steps, 25000, 12500
+    cfg.metrics.log_interval_steps = cfg.checkpoint.interval_steps = cfg.metrics.val_loss_interval_steps = args.steps
     if hasattr(t, "corpus_cache_dir"):
-        t.corpus_cache_dir = args.cache
+        cfg.workers.corpus_cache_dir = args.cache
     mc = ModelConfig(vocab_size=BENCH_VOCAB, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
                      max_positions=512)
     spec = loop.LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=args.train_dir)
