@@ -206,7 +206,7 @@ def checkpoint_figures(work: Path) -> dict:
     import torch
 
     from model import ModelConfig, Transformer, make_optimizer
-    from pipeline.config import TrainConfig
+    import pipeline.config
     from pipeline.train import checkpoint as train_checkpoint
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -220,7 +220,9 @@ def checkpoint_figures(work: Path) -> dict:
     adam_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                      if torch.is_tensor(v) and v.dim() > 0)
     stalls, sizes = [], []
-    upload_async = hasattr(TrainConfig, "checkpoint_upload")
+    # A tree without background checkpoint uploads has neither checkpoint.upload nor train.checkpoint_upload.
+    upload_async = (hasattr(getattr(pipeline.config, "CheckpointConfig", None), "upload")
+                    or hasattr(pipeline.config.TrainConfig, "checkpoint_upload"))
     for i in range(2):
         folder, dest = work / f"ckpt-base-{i}", work / f"ckpt-base-{i}-uploaded"
         shutil.rmtree(folder, ignore_errors=True)
