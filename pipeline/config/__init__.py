@@ -16,14 +16,14 @@ from .checks import ConfigError, parse_resources
 from .loader import MOVED_KEYS, coerce, from_dict, load_config, parse_overrides, typed_fields
 from .operations import (AttentionBackend, Auto, CheckpointConfig, CheckpointUpload, GradCompression, MetricsConfig,
                          Placement, PlanConfig, Precision, SpeedConfig, WorkersConfig, op)
-from .schema import (AverageSelect, Backend, Config, DataConfig, DecodeSettings, EarlyStopMetric, EvalConfig, ModelSection,
-                     Preprocess, Quantization, RunConfig, Source, Split, TrackingConfig, TrainConfig, VocabConfig,
-                     VocabModel, keyed_if_set)
+from .schema import (AverageSelect, Backend, Config, DataConfig, DecodeSettings, EarlyStopMetric, EvalConfig,
+                     ModelSection, Preprocess, Quantization, RunConfig, Source, Split, TrackingConfig, TrainConfig,
+                     VocabConfig, VocabModel, keyed_if_set)
 
 __all__ = [
-    "MOVED_KEYS", "AttentionBackend", "Auto", "AverageSelect", "Backend", "CheckpointConfig", "CheckpointUpload", "Config",
-    "ConfigError", "DataConfig", "DecodeSettings", "EarlyStopMetric", "EvalConfig", "GradCompression", "MetricsConfig",
-    "ModelSection", "Placement", "PlanConfig", "Precision", "Preprocess", "Quantization", "RunConfig", "Source",
-    "SpeedConfig", "Split", "TrackingConfig", "TrainConfig", "VocabConfig", "VocabModel", "WorkersConfig",
+    "MOVED_KEYS", "AttentionBackend", "Auto", "AverageSelect", "Backend", "CheckpointConfig", "CheckpointUpload",
+    "Config", "ConfigError", "DataConfig", "DecodeSettings", "EarlyStopMetric", "EvalConfig", "GradCompression",
+    "MetricsConfig", "ModelSection", "Placement", "PlanConfig", "Precision", "Preprocess", "Quantization", "RunConfig",
+    "Source", "SpeedConfig", "Split", "TrackingConfig", "TrainConfig", "VocabConfig", "VocabModel", "WorkersConfig",
     "coerce", "from_dict", "keyed_if_set", "load_config", "op", "parse_overrides", "parse_resources", "typed_fields",
 ]

@@ -110,7 +110,7 @@ class CheckpointConfig:
     """When the train stage checkpoints, how many it keeps and how they reach storage
     (``checkpoint``; never part of a cache key)."""
 
-    interval_steps: int = op(1000)
+    interval_steps: int = op(1000)  # a checkpoint every N steps, and at train.max_steps
     interval_s: float = op(0.0)  # 0 = only the step interval
     num_to_keep: int = op(5)  # >= eval.average_last; §6.1 averages the last 5
     upload: CheckpointUpload = op("async")  # "async": upload in the background (Ray Train ASYNC); "sync"
@@ -142,9 +142,9 @@ class PlanConfig:
     """The bill --plan prints (pipeline/plan/bill.py): the GPU each worker has, and the MFU it
     assumes unless a benchmarks/gpu_check.sh JSON (mfu_from, or --mfu-from) measured one (``plan``)."""
 
-    gpu_type: str = op("A100")
-    mfu_from: str = op("")
-    assumed_mfu: float = op(0.3)
+    gpu_type: str = op("A100")  # a name of pipeline/plan/bill.py's PEAK_FLOPS (its datasheet peak)
+    mfu_from: str = op("")  # a gpu_check.sh JSON whose measured MFU the bill uses; "" = assumed_mfu
+    assumed_mfu: float = op(0.3)  # printed as an ASSUMPTION when nothing measured one
 
     def validate(self) -> None:
         _check(0.0 < self.assumed_mfu <= 1.0, "plan.assumed_mfu", "must be in (0, 1] (0.3 = 30%)")
