@@ -5,7 +5,7 @@
 
 For each precision: the loop (`pipeline.train.loop.Trainer`, one in-process worker, no Ray) at
 local mode's sizes (configs/local.toml: d_model 128, 2+2 layers, 2500 target tokens per step,
-vocab 4000), eager and with `train.compile = true`, the same seed and batches. Reported per
+vocab 4000), eager and with `speed.compile = true`, the same seed and batches. Reported per
 run: target tokens/s over the steps after the first log window (compilation is in the first
 one), the wall time of that first window (compile time included), the graphs torch.compile built
 (`pipeline.train.device`: first compile + recompiles + graph-break pieces) and the largest
@@ -38,12 +38,12 @@ from tests.support.synthetic import write_reverse_task  # noqa: E402
 
 def spec_for(args, train_dir: str, precision: str, compile_: bool) -> dict:
     cfg = Config()
-    t = cfg.train
-    t.max_steps, t.tokens_per_step, t.max_tokens_per_batch = args.steps, 2500, 2500  # configs/local.toml
-    t.warmup_steps, t.max_len, t.precision = 400, 128, precision
-    t.log_interval_steps = args.window
-    t.checkpoint_interval_steps = t.eval_interval_steps = 10**9
-    t.compile, t.compile_backend = compile_, args.backend
+    t, s = cfg.train, cfg.speed
+    t.max_steps, t.tokens_per_step, s.max_tokens_per_batch = args.steps, 2500, 2500  # configs/local.toml
+    t.warmup_steps, t.max_len, s.precision = 400, 128, precision
+    cfg.metrics.log_interval_steps = args.window
+    cfg.checkpoint.interval_steps = cfg.metrics.val_loss_interval_steps = 10**9
+    s.compile, s.compile_backend = compile_, args.backend
     mc = ModelConfig(vocab_size=args.vocab, d_model=128, d_ff=512, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
                      dropout=0.1, max_positions=512)
     return LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=train_dir).to_dict()

@@ -12,7 +12,7 @@ B. dropout, forward + backward, on the residual stream's (M, d): `F.dropout` vs
    `model.kernels.Dropout` (four 15-bit uniforms per 64-bit draw).
 C. the bare training step (forward, loss, backward, Adam) of the two Multi30k models
    (configs/multi30k-fast.toml's d_model 256 / 3+3 at ~2700 target tokens, configs/multi30k-tiny.toml's
-   d_model 128 / 4+4 at ~6800) under `train.precision = auto`: "plain" (one-piece loss, PyTorch's
+   d_model 128 / 4+4 at ~6800) under `speed.precision = auto`: "plain" (one-piece loss, PyTorch's
    dropout: `Transformer(cpu_kernels=False)`) vs "ours" (the defaults), alternating, best of --repeats. On real Multi30k batches with
    --train-dir (an encode stage's train shards), else the synthetic reverse task with Multi30k's lengths.
 
@@ -123,7 +123,7 @@ def bench_dropout(repeats: int) -> None:
 def bench_steps(args) -> None:
     import train_bench as tb
 
-    print(f"\nC. the bare training step, train.precision = auto ({args.steps} steps after 2 warm-up, "
+    print(f"\nC. the bare training step, speed.precision = auto ({args.steps} steps after 2 warm-up, "
           f"best of {args.repeats}, alternating; {'real batches: ' + args.train_dir if args.train_dir else 'synthetic reverse task'})")
     print(f"{'model':>14} {'tgt tok/step':>12} {'plain s/step':>14} {'ours s/step':>13} {'plain tok/s':>13} "
           f"{'ours tok/s':>12} {'ours/plain':>13}")

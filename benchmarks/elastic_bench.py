@@ -1,7 +1,7 @@
 """What a node loss, a preemption notice and a tracking outage cost a training run.
 
 1. Two Ray nodes on this machine (one CPU each, tests/support/procs.py), the real `train` stage with
-   `train.num_workers = [1, 2]` on the scale bench's synthetic corpus (benchmarks/scale_bench.py:
+   `workers.num_workers = [1, 2]` on the scale bench's synthetic corpus (benchmarks/scale_bench.py:
    WMT14 EN-DE length distribution, 1000-piece ids). Once Ray Train has registered checkpoint 10
    the second node's processes are killed (SIGKILL to its raylet's session): the time from the
    kill to the first step of the one-worker group, and the steps lost (done after the checkpoint
@@ -104,8 +104,8 @@ def model_args(a: argparse.Namespace) -> list[str]:
     return [f"--model.d_model={a.d_model}", f"--model.d_ff={4 * a.d_model}", f"--model.n_heads={a.d_model // 64}",
             f"--model.n_encoder_layers={a.layers}", f"--model.n_decoder_layers={a.layers}",
             "--model.max_positions=256", "--train.max_len=200", f"--train.tokens_per_step={a.tokens_per_step}",
-            f"--train.max_tokens_per_batch={max(a.tokens_per_step, 1600)}", "--train.warmup_steps=100",
-            "--train.precision=fp32"]
+            f"--speed.max_tokens_per_batch={max(a.tokens_per_step, 1600)}", "--train.warmup_steps=100",
+            "--speed.precision=fp32"]
 
 
 def cluster_part(a: argparse.Namespace, shards: Path, work: Path) -> dict[str, Any]:
@@ -118,11 +118,11 @@ def cluster_part(a: argparse.Namespace, shards: Path, work: Path) -> dict[str, A
     os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
     head = RayHead(work, num_cpus=1, resources='{"node_a": 1}')
     nodes = [head.add_worker(num_cpus=1, resources='{"node_b": 1}', name="worker-b")]
-    overrides = [f"--run.ray_address={head.address}", f"--run.work_dir={work / 'wd'}", "--train.num_workers=1,2",
-                 "--train.cpus_per_worker=1", "--train.use_gpu=false", "--train.precision=fp32",
-                 f"--train.max_steps={a.max_steps}", "--train.checkpoint_interval_steps=10",
-                 "--train.log_interval_steps=10", "--train.eval_interval_steps=100000", "--train.max_failures=5",
-                 "--train.elastic_resize_interval_s=600", *model_args(a)]
+    overrides = [f"--run.ray_address={head.address}", f"--run.work_dir={work / 'wd'}", "--workers.num_workers=1,2",
+                 "--workers.cpus_per_worker=1", "--workers.use_gpu=false", "--speed.precision=fp32",
+                 f"--train.max_steps={a.max_steps}", "--checkpoint.interval_steps=10",
+                 "--metrics.log_interval_steps=10", "--metrics.val_loss_interval_steps=100000", "--workers.max_failures=5",
+                 "--workers.elastic_resize_interval_s=600", *model_args(a)]
     env = {**os.environ, "TRANSFORMER_REPRO_SESSION_WRAPPER": f"benchmarks.elastic_bench:stamp:{stamps}",
            "PYTHONPATH": str(REPO)}
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(overrides), str(work / "wd/train" / run),
@@ -187,8 +187,8 @@ def outage_part(a: argparse.Namespace, shards: Path, work: Path, buffered: bool)
     os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "4", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                        "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"})
     torch.set_num_threads(2)
-    cfg = load_config(None, [f"--train.max_steps={10**6}", "--train.log_interval_steps=2",
-                             "--train.checkpoint_interval_steps=1000000", "--train.eval_interval_steps=1000000",
+    cfg = load_config(None, [f"--train.max_steps={10**6}", "--metrics.log_interval_steps=2",
+                             "--checkpoint.interval_steps=1000000", "--metrics.val_loss_interval_steps=1000000",
                              *model_args(a)])
     mc = ModelConfig(vocab_size=a.vocab, d_model=a.d_model, d_ff=4 * a.d_model, n_heads=a.d_model // 64,
                      n_encoder_layers=a.layers, n_decoder_layers=a.layers, max_positions=256)

@@ -16,7 +16,7 @@ section that overruns it); a section that cannot run says why. Prints a table an
   recompile per batch shape;
 - host syncs per step (`torch.cuda.set_sync_debug_mode("warn")`), plain and log+checkpoint steps;
 - the loop's stall per checkpoint (`checkpoint.save` to local disk; uploads run in the background);
-- the largest `train.max_tokens_per_batch` that fits for base and big: a fwd + bwd + Adam step on
+- the largest `speed.max_tokens_per_batch` that fits for base and big: a fwd + bwd + Adam step on
   micro-batches of pairs at train.max_len (256 pieces, the worst case), grown until out of memory;
 - DDP on one GPU (NCCL, world size 1, the bf16 gradient-compression hook): the loop's step through
   `pipeline.train.step.distributed(always=True)`, tokens/s vs the plain model;
@@ -62,8 +62,8 @@ from gpu_sections import (checkpoint_stall, count_syncs, ddp_section, decode_sec
 
 TOTAL_BUDGET_S = 560  # gpu_check.sh kills at 590 s; this leaves time to write the table and JSON
 # --smoke with a bundle: the recipe's code path in a few tiny steps on the CPU.
-SMOKE_MULTI30K = {"train": {"max_steps": 4, "checkpoint_interval_steps": 2, "eval_interval_steps": 2,
-                            "log_interval_steps": 2, "precision": "fp32"},
+SMOKE_MULTI30K = {"train": {"max_steps": 4}, "checkpoint": {"interval_steps": 2}, "speed": {"precision": "fp32"},
+                  "metrics": {"val_loss_interval_steps": 2, "log_interval_steps": 2},
                   "eval": {"beam_size": 2, "max_len_b": 5, "max_sentences": 20},
                   "model": {"d_model": 16, "d_ff": 32, "n_heads": 2, "n_encoder_layers": 1, "n_decoder_layers": 1}}
 
@@ -173,11 +173,11 @@ def train(pr: Profile, size: str, compile_: bool, train_dir: Path, work: Path) -
     cfg = Config()
     t, steps = cfg.train, pr.train_steps[size]
     t.max_steps, t.tokens_per_step = steps, pr.tokens_per_step
-    t.max_tokens_per_batch = 2 * pr.tokens_per_step  # a step's padded size: one micro-batch
-    t.log_interval_steps = pr.measured_steps  # the last window: the measured steps
-    t.checkpoint_interval_steps = t.eval_interval_steps = 10**9
-    t.precision, t.compile, t.compile_backend = "auto", compile_, pr.compile_backend
-    t.corpus_cache_dir = str(work / "cache")
+    cfg.speed.max_tokens_per_batch = 2 * pr.tokens_per_step  # a step's padded size: one micro-batch
+    cfg.metrics.log_interval_steps = pr.measured_steps  # the last window: the measured steps
+    cfg.checkpoint.interval_steps = cfg.metrics.val_loss_interval_steps = 10**9
+    cfg.speed.precision, cfg.speed.compile, cfg.speed.compile_backend = "auto", compile_, pr.compile_backend
+    cfg.workers.corpus_cache_dir = str(work / "cache")
     mc = pr.model(size)
     spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(train_dir))
     trainer = Trainer(spec, LocalSession(work / f"ckpt-{size}-{compile_}", device=pr.device))
@@ -197,9 +197,9 @@ def counted_flops_per_tgt_token(trainer: Trainer, mc: ModelConfig, steps: int, s
     """FlopCounterMode's FLOPs per target token (pipeline/plan/flops.py, meta device) over up to
     `sample` of the measured (second-half) steps, split as the loop split them."""
     d, tc = trainer.train_data, trainer.tc
-    plan = trainer.plan.groups(0)[steps - trainer.tc.log_interval_steps:steps][:sample]
+    plan = trainer.plan.groups(0)[steps - trainer.cfg.metrics.log_interval_steps:steps][:sample]
     micro = [[MicroShape.of(d.src_len[c], d.tgt_len[c]) for c in
-              step_groups.split_step(g, d.src_len, d.tgt_len, 1, tc.max_tokens_per_batch).chunks[0] if len(c)]
+              step_groups.split_step(g, d.src_len, d.tgt_len, 1, trainer.speed.max_tokens_per_batch).chunks[0] if len(c)]
              for g in plan]
     flops = sum(count_step_flops(mc, m, tc.label_smoothing) for m in micro)
     return flops / max(sum(x.Mt for m in micro for x in m), 1)

@@ -10,7 +10,7 @@ section, from a bundle made beforehand on any machine that runs the DAG.
 The bundle holds the encode stage's three splits, the SentencePiece model and the resolved config
 with the model's config (`bundle.json`). `run` is the DAG's train -> average -> translate -> score
 for this recipe, in one process: the real loop (`Trainer` on a `LocalSession`, dev loss every
-`train.eval_interval_steps`, checkpoints every `train.checkpoint_interval_steps`, the last
+`metrics.val_loss_interval_steps`, checkpoints every `checkpoint.interval_steps`, the last
 `eval.average_last` kept), `model.average_checkpoints`, `model.beam_search` over the test split in
 length-sorted batches of `eval.batch_tokens`, and the benchmark's BLEU4 (`pipeline.decoding.bleu.
 benchmark_bleu`, the score stage's `test/bleu_tok_lc`). It times training and decoding apart.
@@ -78,10 +78,9 @@ def _sync(device: str) -> None:
 
 
 def train(bundle: Path, cfg: Config, mc: ModelConfig, device: str, work: Path) -> tuple[dict, list[Path]]:
-    tc = cfg.train
     spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(bundle / "train"),
                     dev_dir=str(bundle / "dev"))
-    session = _KeepingSession(work / "ckpt", device, max(tc.keep_checkpoints, cfg.eval.average_last))
+    session = _KeepingSession(work / "ckpt", device, max(cfg.checkpoint.num_to_keep, cfg.eval.average_last))
     t0 = time.perf_counter()
     trainer = Trainer(spec, session)
     summary = trainer.run()

@@ -30,7 +30,7 @@ def count_syncs(trainer: Trainer, device: str, steps: int = 10) -> tuple[float, 
     """(host syncs per plain step, syncs of the final step, which logs and checkpoints) of a short
     continued run; each step's count runs from its start to the next step's start."""
     trainer.tc.max_steps = trainer.progress.step + steps
-    trainer.tc.log_interval_steps = trainer.tc.checkpoint_interval_steps = steps
+    trainer.cfg.metrics.log_interval_steps = trainer.cfg.checkpoint.interval_steps = steps
     starts: list[int] = []
     original = trainer._train_step
 
@@ -60,7 +60,7 @@ def step_profile(trainer: Trainer, device: str, steps: int = 6) -> dict:
     aten ops dispatched per step (a TorchDispatchMode, forward + backward + Adam; on a compiled
     model only what runs outside its graphs), wall ms per step, and on a GPU (torch.profiler)
     kernel launches per step and device-busy ms per step (the kernels' summed durations)."""
-    trainer.tc.log_interval_steps = trainer.tc.checkpoint_interval_steps = 10**9
+    trainer.cfg.metrics.log_interval_steps = trainer.cfg.checkpoint.interval_steps = 10**9
     trainer.tc.max_steps = trainer.progress.step + 2
     trainer.run()  # warm: these steps' shapes and kernels seen once
     cuda = device.startswith("cuda")
@@ -160,7 +160,7 @@ def fit_section(pr: Any, size: str) -> tuple[dict, str]:
            "pair_len": pr.max_len, "device_memory_bytes": total}
     bound = f"<{bad:,}" if bad is not None else f">= {good:,} (the search's ceiling)"
     accum = -(-pr.tokens_per_step // max(advice, 1)) if advice else None
-    return res, (f"largest fitting {good:,} padded tokens ({bound}); train.max_tokens_per_batch = {advice:,} "
+    return res, (f"largest fitting {good:,} padded tokens ({bound}); speed.max_tokens_per_batch = {advice:,} "
                  f"-> accum {accum} at {pr.tokens_per_step:,} tokens/step")
 
 
@@ -178,7 +178,7 @@ def ddp_section(pr: Any, trainer: Trainer, plain_tps: float) -> tuple[dict, str]
         hook = "bf16" if backend == "nccl" else "none"
         ddp = distributed(trainer.forward_model, trainer.device, 1, hook, always=True)
         plan = trainer.plan.groups(1)[: pr.train_steps["base"]]
-        host = HostBatcher(trainer.train_data, trainer.mcfg, 0, 1, trainer.tc.max_tokens_per_batch, trainer.device)
+        host = HostBatcher(trainer.train_data, trainer.mcfg, 0, 1, trainer.speed.max_tokens_per_batch, trainer.device)
         windows: list[Window] = []
         for i, group in enumerate(plan):
             if i == len(plan) // 2:  # the second half is measured (warm)

@@ -3,7 +3,7 @@
 The same model (d_model 256, d_ff 1024, 4 heads, 3+3 layers, one shared 8000-piece SentencePiece
 vocabulary, dropout 0.1, label smoothing 0.1, Noam lr factor 2 with 1000 warmup steps, ~2700 target
 tokens per step) on the same Multi30k task 1 EN->DE data (raw, cased), each side with the precision
-that is fastest for it on this CPU (ours: train.precision = "auto", bf16 on AVX512-BF16/AMX; eole:
+that is fastest for it on this CPU (ours: speed.precision = "auto", bf16 on AVX512-BF16/AMX; eole:
 fp32), for the same wall-clock training budget. Both average their last 5 checkpoints, decode
 test_2016_flickr (1,000 sentences) with beam 4 and alpha 0.6 (GNMT length penalty), and are scored
 with sacreBLEU (default settings) against the raw German reference.

@@ -158,10 +158,10 @@ def _tiny_model_spec(args: argparse.Namespace, loop):
 
     cfg = Config()
     t = cfg.train
-    t.max_steps, t.tokens_per_step, t.max_tokens_per_batch = args.steps, 25000, 12500
-    t.log_interval_steps = t.checkpoint_interval_steps = t.eval_interval_steps = args.steps
+    t.max_steps, t.tokens_per_step, cfg.speed.max_tokens_per_batch = args.steps, 25000, 12500
+    cfg.metrics.log_interval_steps = cfg.checkpoint.interval_steps = cfg.metrics.val_loss_interval_steps = args.steps
     if hasattr(t, "corpus_cache_dir"):
-        t.corpus_cache_dir = args.cache
+        cfg.workers.corpus_cache_dir = args.cache
     mc = ModelConfig(vocab_size=BENCH_VOCAB, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
                      max_positions=512)
     return loop.LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=args.train_dir)
@@ -225,7 +225,7 @@ def checkpoint_figures(work: Path) -> dict:
     import torch
 
     from model import ModelConfig, Transformer, make_optimizer
-    from pipeline.config import TrainConfig
+    import pipeline.config
     from pipeline.train import checkpoint as train_checkpoint
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -239,7 +239,9 @@ def checkpoint_figures(work: Path) -> dict:
     adam_bytes = sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
                      if torch.is_tensor(v) and v.dim() > 0)
     stalls, sizes = [], []
-    upload_async = hasattr(TrainConfig, "checkpoint_upload")
+    # A tree without background checkpoint uploads has neither checkpoint.upload nor train.checkpoint_upload.
+    upload_async = (hasattr(getattr(pipeline.config, "CheckpointConfig", None), "upload")
+                    or hasattr(pipeline.config.TrainConfig, "checkpoint_upload"))
     for i in range(2):
         folder, dest = work / f"ckpt-base-{i}", work / f"ckpt-base-{i}-uploaded"
         shutil.rmtree(folder, ignore_errors=True)

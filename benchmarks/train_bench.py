@@ -8,12 +8,12 @@ B. bare:  the same micro-batches (same rows, same shapes) collated before timing
           runs forward, loss, backward, Adam, lr schedule.
 C. loader alone: plan + split + collate for the same steps, no model.
 D. with --ray (local mode as `make run` trains): the real `train` stage's Ray Train run on a
-   local Ray with every CPU, once with `train.cpus_per_worker = 1` (1 Ray CPU, so 1 torch
+   local Ray with every CPU, once with `workers.cpus_per_worker = 1` (1 Ray CPU, so 1 torch
    thread) and once with 0 (auto: all of the node's CPUs), vs the bare step
    with all threads. Target: auto / bare >= 1.0.
 
 Prints target tokens/s of A and B and the ratio A/B (target >= 0.9), and the loader's cost per
-step. Synthetic "reverse" data with a WMT-like spread of lengths; `train.precision` = --precision
+step. Synthetic "reverse" data with a WMT-like spread of lengths; `speed.precision` = --precision
 (default auto: bf16 on a CPU with AVX512-BF16/AMX and on CUDA, else fp32).
 
 E. --cpu-bf16: the bare step in fp32 and under bf16 autocast, side by side, at local size
@@ -61,10 +61,10 @@ def build(args, work: Path, train_dir: str = "") -> tuple[dict, Config, ModelCon
     m.d_model, m.d_ff, m.n_heads = args.d_model, 4 * args.d_model, 4
     m.n_encoder_layers = m.n_decoder_layers = args.layers
     t = cfg.train
-    t.num_workers, t.max_steps = 1, args.steps
-    t.tokens_per_step, t.max_tokens_per_batch = args.tokens_per_step, args.max_tokens_per_batch
-    t.log_interval_steps = t.eval_interval_steps = t.checkpoint_interval_steps = args.steps
-    t.precision = args.precision
+    cfg.workers.num_workers, t.max_steps = 1, args.steps
+    t.tokens_per_step, cfg.speed.max_tokens_per_batch = args.tokens_per_step, args.max_tokens_per_batch
+    cfg.metrics.log_interval_steps = cfg.metrics.val_loss_interval_steps = cfg.checkpoint.interval_steps = args.steps
+    cfg.speed.precision = args.precision
     mc = ModelConfig(vocab_size=args.vocab, d_model=m.d_model, d_ff=m.d_ff, n_heads=m.n_heads,
                      n_encoder_layers=args.layers, n_decoder_layers=args.layers, dropout=m.dropout)
     spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(shards)).to_dict()
@@ -84,15 +84,15 @@ def run_loop(spec: dict, work: Path, device: str) -> dict:
 
 def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device, multiple: int = 0):
     """Every step's micro-batches, as the loop would cut them, collated up front; their rows rounded
-    up to `multiple` (0 = as the loop does in train.precision on `device`: `device.row_multiple`)."""
-    multiple = multiple or row_multiple(resolve_precision(cfg.train.precision, device), device)
+    up to `multiple` (0 = as the loop does in speed.precision on `device`: `device.row_multiple`)."""
+    multiple = multiple or row_multiple(resolve_precision(cfg.speed.precision, device), device)
     d = load_corpus(spec["train_dir"])
     t = cfg.train
     rows = np.flatnonzero(step_groups.keep_mask(d.src_len, d.tgt_len, t.max_len))
     steps, epoch = [], 0
     while len(steps) < t.max_steps:
         for group in step_groups.plan_epoch(rows, d.src_len, d.tgt_len, t.tokens_per_step, t.seed, epoch):
-            split = step_groups.split_step(group, d.src_len, d.tgt_len, 1, t.max_tokens_per_batch)
+            split = step_groups.split_step(group, d.src_len, d.tgt_len, 1, cfg.speed.max_tokens_per_batch)
             mbs = [to_device(token_batches.collate(r, d, BatchLayout.of(mc, multiple)), device)
                    for r in split.for_worker(0)]
             steps.append((mbs, int(step_groups.target_tokens(d.tgt_len[group]).sum())))
@@ -104,13 +104,13 @@ def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device
 
 def run_bare(steps, cfg: Config, mc: ModelConfig, device: torch.device, precision: str = "",
              cpu_kernels: bool = True) -> dict:
-    """The bare step; `precision` "" = the loop's train.precision resolved for `device`;
+    """The bare step; `precision` "" = the loop's speed.precision resolved for `device`;
     `cpu_kernels`: the model's (`Transformer`'s)."""
     torch.manual_seed(cfg.train.seed)
     model = Transformer(mc, cpu_kernels=cpu_kernels).to(device)
     opt = make_optimizer(model)
     sched = make_scheduler(opt, mc.d_model, cfg.train.warmup_steps)
-    precision = precision or resolve_precision(cfg.train.precision, device)
+    precision = precision or resolve_precision(cfg.speed.precision, device)
     autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if precision == "bf16"
                 else contextlib.nullcontext)
     t0 = time.perf_counter()
@@ -148,7 +148,7 @@ def main() -> None:
     p.add_argument("--json", default="", help="also write the figures here")
     p.add_argument("--ray", action="store_true", help="D: the train stage on a local Ray, 1 CPU vs all CPUs")
     p.add_argument("--ray-auto-only", action="store_true", help="D without the 1-CPU run")
-    p.add_argument("--precision", default="auto", help="train.precision of A, B and D (auto | bf16 | fp32)")
+    p.add_argument("--precision", default="auto", help="speed.precision of A, B and D (auto | bf16 | fp32)")
     p.add_argument("--cpu-bf16", action="store_true", help="E: fp32 vs bf16 bare steps on CPU at two sizes")
     p.add_argument("--train-dir", default="", help="E: also local mode's real batches: its encode stage's train "
                    "shards (after `make run ARGS=--to=encode`: work/local/encode/<key>/train)")
@@ -207,15 +207,15 @@ def ray_main(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         spec, cfg, mc = build(args, work)
-        cfg.train.use_gpu = False
-        cfg.train.log_interval_steps = args.steps // 2  # the second window: warm, and what is compared
+        cfg.workers.use_gpu = False
+        cfg.metrics.log_interval_steps = args.steps // 2  # the second window: warm, and what is compared
         steps = micro_batches(spec, cfg, mc, cpu)
         run_bare(steps[:3], cfg, mc, cpu)
         modes = (("train stage, 1 CPU per worker", 1), ("train stage, auto (all CPUs)", 0))
         results: dict[str, list[float]] = {}
         for r in range(args.repeats):
             for label, n in modes[1:] if args.ray_auto_only else modes:
-                cfg.train.cpus_per_worker = n
+                cfg.workers.cpus_per_worker = n
                 spec = {**spec, "cfg": cfg.to_dict()}
                 result = fit(cfg, LoopSpec(**spec), f"bench-{n}-{r}", str(work / "ray_train"))
                 results.setdefault(label, []).append(result.return_value["last_metrics"]["train/tgt_tokens_per_s"])
@@ -229,7 +229,7 @@ def ray_main(args) -> None:
     bare = best["bare model step"]
     print(f"local-mode training, {cpus} CPUs ({cpus} torch threads): model d_model={args.d_model} "
           f"layers={args.layers}+{args.layers}, ~{args.tokens_per_step} target tokens per step, "
-          f"{resolve_precision(cfg.train.precision, cpu)}; best of {args.repeats}, second half of {args.steps} steps")
+          f"{resolve_precision(cfg.speed.precision, cpu)}; best of {args.repeats}, second half of {args.steps} steps")
     print(f"{'':42s}{'tgt tokens/s':>14s}{'/ bare':>8s}   all runs")
     for label, tps in best.items():
         runs = ", ".join(f"{x:.0f}" for x in results[label])
@@ -296,9 +296,9 @@ def convergence(args, cpu: torch.device) -> dict:
         spec, cfg, mc = build(a, work)
         dev = write_reverse_task(work / "dev", 500, a.vocab, min_len=3, max_len=a.max_len, num_shards=1, seed=1)
         cfg.train.warmup_steps = max(1, args.convergence // 3)
-        cfg.train.eval_interval_steps = max(1, args.convergence // 4)
+        cfg.metrics.val_loss_interval_steps = max(1, args.convergence // 4)
         for precision in ("fp32", "bf16"):
-            cfg.train.precision = precision
+            cfg.speed.precision = precision
             trainer = Trainer(LoopSpec(**{**spec, "cfg": cfg.to_dict(), "dev_dir": str(dev)}),
                               LocalSession(work / precision, device="cpu"))
             t0 = time.perf_counter()

@@ -10,7 +10,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # Ray Train's controller polls its workers every 0.5 s in the suite instead of the product's 2 s
-# (train.controller_poll_s; a driver's explicit variable wins, and every driver, Ray node and job the
+# (workers.controller_poll_s; a driver's explicit variable wins, and every driver, Ray node and job the
 # tests start inherits it): the tests' runs train a few dozen tiny steps, so each of their train stages
 # spent ~5 s waiting for polls. A long run on 2 cores trains ~12% slower at 0.5 s, so the product keeps
 # Ray's default (docs/benchmarks.md, "Ray Train's poll interval").

@@ -40,8 +40,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--plan", action="store_true", help="print each stage as cached / to run and why, and the "
                    "train stage's bill (FLOPs per step, hours and GPU-hours); run nothing")
     p.add_argument("--mfu-from", default="", metavar="FILE",
-                   help="the bill's MFU from a benchmarks/gpu_check.sh JSON (default: train.mfu_from, else the "
-                        "assumed train.assumed_mfu)")
+                   help="the bill's MFU from a benchmarks/gpu_check.sh JSON (default: plan.mfu_from, else the "
+                        "assumed plan.assumed_mfu)")
     p.add_argument("--only", choices=ORDER, help="run just this stage (its inputs must be cached)")
     p.add_argument("--from", dest="from_", choices=ORDER, help="rerun this stage and everything after it")
     p.add_argument("--to", choices=ORDER, help="stop after this stage (e.g. --to encode prepares the data only)")

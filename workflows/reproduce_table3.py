@@ -10,7 +10,7 @@ default configs/base.toml), then the ``--section.key=value`` overrides. All rows
 dir, so the data stages (download .. encode) run once, first; then each row's own chain (train ->
 average -> export -> translate -> score) runs as its own branch, as many side by side as
 ``--max-concurrent-rows`` (default: as many as the Ray cluster holds, each row needing
-``train.num_workers`` workers; one at a time when the driver runs its own local Ray). A row
+``workers.num_workers`` workers; one at a time when the driver runs its own local Ray). A row
 that fails does not stop the others: the table marks it failed with the reason, and rerunning
 the same command continues only the unfinished rows (everything finished is cached).
 As §6.2 does for Table 3, every row is scored on newstest2013 (``eval.splits = ["dev"]``) with
@@ -121,7 +121,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--plan", action="store_true", help="print each row's size and plan; run nothing")
     p.add_argument("--max-concurrent-rows", type=int, default=0, metavar="N",
                    help="rows that run side by side (default 0 = as many as the Ray cluster holds, each row "
-                        "needing train.num_workers workers; 1 when this driver starts its own local Ray)")
+                        "needing workers.num_workers workers; 1 when this driver starts its own local Ray)")
     args, rest = p.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a and "." in a.split("=", 1)[0])]
     if bad:

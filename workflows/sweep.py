@@ -61,7 +61,7 @@ def rows_that_fit(nodes: list[dict[str, float]], num_workers: int, per_worker: d
 
 def default_concurrency(cfgs: list[Config]) -> int:
     """As many rows as the connected Ray cluster holds side by side, each row needing
-    `train.num_workers` workers of its kind (GPU, or `train.cpus_per_worker` CPUs); a range
+    `workers.num_workers` workers of its kind (GPU, or `workers.cpus_per_worker` CPUs); a range
     [min, max] counts at its max (what the row trains with when the cluster lets it)."""
     import ray
 

@@ -117,9 +117,9 @@ def eole_train_config(args: argparse.Namespace, cfg: Any, data: dict[str, Any], 
         "data": {"corpus_1": {"path_src": f["train.en"], "path_tgt": f["train.de"]},
                  "valid": {"path_src": f["valid.en"], "path_tgt": f["valid.de"]}},
         "training": {
-            "model_path": str(eole_dir / "model"), "keep_checkpoint": t.keep_checkpoints,
+            "model_path": str(eole_dir / "model"), "keep_checkpoint": cfg.checkpoint.num_to_keep,
             "save_checkpoint_steps": ckpt, "train_steps": 10_000_000,  # stopped by the budget
-            "valid_steps": t.eval_interval_steps, "valid_batch_size": 4096,
+            "valid_steps": cfg.metrics.val_loss_interval_steps, "valid_batch_size": 4096,
             "world_size": 1, "gpu_ranks": [],  # CPU
             "compute_dtype": args.eole_dtype,
             "batch_type": "tokens", "batch_size": batch_size, "batch_size_multiple": 1,

@@ -16,8 +16,8 @@ from peer.report import sacre
 SMOKE = {  # a tiny model on a slice of the data: proves the plumbing, not the numbers
     "vocab.size": 1000, "model.d_model": 64, "model.d_ff": 128, "model.n_heads": 2,
     "model.n_encoder_layers": 1, "model.n_decoder_layers": 1, "train.tokens_per_step": 800,
-    "train.max_tokens_per_batch": 1024, "train.warmup_steps": 100, "train.eval_interval_steps": 50,
-    "train.log_interval_steps": 10, "data.max_pairs_per_corpus": 3000, "eval.max_sentences": 40,
+    "speed.max_tokens_per_batch": 1024, "train.warmup_steps": 100, "metrics.val_loss_interval_steps": 50,
+    "metrics.log_interval_steps": 10, "data.max_pairs_per_corpus": 3000, "eval.max_sentences": 40,
 }
 OUR_ECHO = re.compile(r"stage \w+: (done|running|cached)|step \d+/\d+ \||translate: \d+ / \d+|sacreBLEU|Error|error:"
                       r"|Traceback")
@@ -26,7 +26,7 @@ OUR_ECHO = re.compile(r"stage \w+: (done|running|cached)|step \d+/\d+ \||transla
 def our_overrides(args: argparse.Namespace, steps: int, ckpt: int) -> list[str]:
     """Our workflow's command-line overrides: data, work dir, steps, checkpoints (and --smoke's model)."""
     out = [f"--data.mirror={args.data_mirror}", f"--run.work_dir={args.work_dir}",
-           f"--train.max_steps={steps}", f"--train.checkpoint_interval_steps={ckpt}"]
+           f"--train.max_steps={steps}", f"--checkpoint.interval_steps={ckpt}"]
     if args.smoke:
         out += [f"--{k}={v}" for k, v in SMOKE.items()]
     return out

@@ -99,7 +99,7 @@ def notes(s: Sides) -> list[str]:
         f"vocabulary (our spm.model), dropout {cfg.model.dropout}, label smoothing {cfg.train.label_smoothing}, "
         f"Noam lr factor {cfg.train.lr_scale} / {cfg.train.warmup_steps} warmup, ~{cfg.train.tokens_per_step} target "
         f"tokens per step, last {cfg.eval.average_last} checkpoints (every {s.ckpt} steps) averaged.",
-        f"Precision: ours train.precision = {cfg.train.precision!r} -> {man['train'].outputs.get('precision')}; "
+        f"Precision: ours speed.precision = {cfg.speed.precision!r} -> {man['train'].outputs.get('precision')}; "
         f"eole compute_dtype {args.eole_dtype}.",
         "Norm placement: ours post-norm (the paper's); eole PRE-norm (eole 0.6.4 has no post-norm decoder layer).",
         f"Training time: ours = the train stage's loop time (manifest wall_s), budget {args.budget_s:.0f} s as "

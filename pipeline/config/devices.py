@@ -1,5 +1,5 @@
-"""Settings decided per device: `"auto"` and its booleans (`train.use_gpu`, `eval.use_gpu`,
-`train.compile`, `train.shape_buckets`). Standard library and the config only: no Ray, no torch."""
+"""Settings decided per device: `"auto"` and its booleans (`workers.use_gpu`, `eval.use_gpu`,
+`speed.compile`, `speed.shape_buckets`). Standard library and the config only: no Ray, no torch."""
 
 from __future__ import annotations
 

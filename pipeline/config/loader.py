@@ -18,6 +18,25 @@ from typing import Any
 from .checks import ConfigError, allowed, check_value
 from .schema import Config
 
+# Settings of speed, workers, checkpoint, metrics and plan spelled as train keys: `_apply` refuses
+# each naming its place (``train.precision is now speed.precision``), so none is dropped unsaid.
+MOVED_KEYS: dict[str, str] = {
+    **{f"train.{k}": f"speed.{k}" for k in (
+        "precision", "max_tokens_per_batch", "prefetch", "compile", "compile_backend", "shape_buckets",
+        "attention_backend", "fused_loss", "grad_compression")},
+    **{f"train.{k}": f"workers.{k}" for k in (
+        "num_workers", "elastic_resize_interval_s", "use_gpu", "cpus_per_worker", "placement_strategy",
+        "max_failures", "corpus_cache_dir", "preemption_grace_s", "controller_poll_s")},
+    "train.checkpoint_interval_steps": "checkpoint.interval_steps",
+    "train.checkpoint_interval_s": "checkpoint.interval_s",
+    "train.keep_checkpoints": "checkpoint.num_to_keep",
+    "train.checkpoint_upload": "checkpoint.upload",
+    "train.checkpoint_upload_retry_s": "checkpoint.upload_retry_s",
+    "train.log_interval_steps": "metrics.log_interval_steps",
+    "train.eval_interval_steps": "metrics.val_loss_interval_steps",
+    **{f"train.{k}": f"plan.{k}" for k in ("gpu_type", "mfu_from", "assumed_mfu")},
+}
+
 
 def coerce(value: Any, tp: Any, key: str) -> Any:
     """Check (and, for strings from the command line, parse) a value against a field's type.
@@ -81,6 +100,9 @@ def _apply(cfg: Config, values: dict[str, Any], origin: str) -> None:
                               f"(known: {', '.join(hints)})")
         if not isinstance(section_values, dict):
             raise ConfigError(f"{section_name}: expected a [table] in {origin}")
+        for key in section_values:
+            if (new := MOVED_KEYS.get(f"{section_name}.{key}")) is not None:
+                raise ConfigError(f"{section_name}.{key} is now {new} (in {origin})")
         section = getattr(cfg, section_name)
         for key, value in typed_fields(type(section), section_values, origin, f"{section_name}.").items():
             setattr(section, key, value)

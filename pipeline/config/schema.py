@@ -20,27 +20,18 @@ from typing import Any, Literal
 from model.config import ModelSizes
 
 from .checks import ConfigError, check as _check, check_allowed, parse_resources
+from .operations import Auto, CheckpointConfig, MetricsConfig, PlanConfig, SpeedConfig, WorkersConfig, op
 
-# The allowed values of the config's fixed-set fields (`typing.get_args(Backend)` spells a set elsewhere).
+# The allowed values of the config's fixed-set fields (`typing.get_args(Backend)` spells a set elsewhere);
+# those of the operational sections are in `operations`.
 Source = Literal["wmt14", "multi30k", "custom"]  # data.source
 Preprocess = Literal["none", "lowercase_moses"]  # data.preprocess
 VocabModel = Literal["bpe", "unigram"]  # vocab.model_type
-Precision = Literal["auto", "bf16", "fp16", "fp32"]  # train.precision
-Placement = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]  # train.placement_strategy
-GradCompression = Literal["none", "bf16"]  # train.grad_compression
-CheckpointUpload = Literal["async", "sync"]  # train.checkpoint_upload
 EarlyStopMetric = Literal["dev_bleu", "val_loss"]  # train.early_stop_metric
 Backend = Literal["torch", "ctranslate2"]  # eval.backend, eval.dev_bleu_engine (serve's backend)
 Quantization = Literal["float32", "int8"]  # eval.ct2_quantization, eval.dev_bleu_quantization (export)
 AverageSelect = Literal["last", "best_dev_bleu"]  # eval.average_select
 Split = Literal["test", "dev"]  # eval.splits
-Auto = Literal["auto"]  # train.use_gpu, eval.use_gpu, train.compile, train.shape_buckets: decided per device
-AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]  # train.attention_backend
-
-
-def op(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
-    """An operational field: not part of any cache key."""
-    return field(default=default, metadata={"cache": False}, **kw)
 
 
 def keyed_if_set(default: Any) -> Any:
@@ -131,20 +122,11 @@ class ModelSection(ModelSizes):
 
 @dataclass
 class TrainConfig:
-    """The paper's training recipe (§5) on Ray Train (``train``)."""
+    """The paper's training recipe (§5): what the train stage's cache key holds (``train``).
 
-    # Ray Train workers (one per GPU); accumulation keeps tokens/step fixed. N, or [min, max]:
-    # elastic (pipeline.train.elastic): the group shrinks to the workers left when one is lost,
-    # and grows back when capacity returns, checked every elastic_resize_interval_s.
-    num_workers: int | list[int] = op(8)
-    elastic_resize_interval_s: float = op(60.0)  # Ray's ScalingConfig(elastic_resize_monitor_interval_s)
-    # "auto": GPU workers when the Ray cluster has a GPU, else CPU workers; true: GPUs or an error
-    # before anything starts; false: CPUs (pipeline/train/driver.py, gpu_training).
-    use_gpu: bool | Auto = op("auto")
-    # "auto": bf16 autocast where the device does bf16 natively (CUDA; a CPU with AVX512-BF16 or
-    # AMX), else fp32 (fp16 on a GPU without bf16). "bf16" on a CPU without it is an error.
-    precision: Precision = op("auto")  # (pipeline/train/device.py)
-    max_tokens_per_batch: int = op(12500)  # per worker micro-batch cap (src or tgt tokens)
+    How it runs lives beside it: ``speed`` (kernels, precision, micro-batches), ``workers`` (the
+    Ray Train group), ``checkpoint``, ``metrics`` (log and dev-loss cadence) and ``plan`` (--plan's bill)."""
+
     tokens_per_step: int = 25000  # §5.1: ~25000 target tokens per optimizer step
     max_steps: int = 100_000  # §5.3: base model trained 100k steps
     warmup_steps: int = 4000  # §5.3
@@ -156,90 +138,21 @@ class TrainConfig:
     clip_norm: float = 0.0  # 0 = off (the paper does not clip)
     max_len: int = 256  # drop training pairs with more pieces than this on either side (counted)
     seed: int = 1
-    checkpoint_interval_steps: int = op(1000)
-    checkpoint_interval_s: float = op(0.0)  # 0 = only the step interval
-    keep_checkpoints: int = op(5)  # >= eval.average_last; §6.1 averages the last 5
-    eval_interval_steps: int = op(1000)
-    log_interval_steps: int = op(100)
-    max_failures: int = op(3)  # Ray Train FailureConfig: worker failures survived per run
-    # Ray placement of the workers: "PACK" (fill a node first: NVLink/NCCL within one 8-GPU node),
-    # "SPREAD", or "STRICT_SPREAD" (one worker per node).
-    placement_strategy: Placement = op("PACK")
-    # CPUs Ray reserves for each worker, and its torch threads. 0 = auto: on CPU, the cluster's
-    # CPUs shared out over the workers (local mode: the whole machine); on GPU, 1.
-    cpus_per_worker: int = op(0)
-    corpus_cache_dir: str = op("")  # node-local folder for the shared training-split copy; "" = <tmp>
-    prefetch: bool = op(True)  # prepare the next step's micro-batches in a background thread
-    # torch.compile(dynamic=True) the model: "auto" = on a GPU (small models are bound by Python's
-    # kernel launches there), eager on a CPU (compiling costs minutes there and gains little).
-    compile: bool | Auto = op("auto")
-    # Micro-batches padded to a few fixed shapes (pipeline/plan/shapes.py): "auto" = on a GPU, where
-    # every new shape costs a cuDNN attention plan and GEMM choices; a CPU rounds positions to 64
-    # in bf16 only (pipeline.train.device.row_multiple).
-    shape_buckets: bool | Auto = op("auto")
-    # The scaled-dot-product-attention kernel on a GPU: "auto" = the fastest of flash,
-    # memory-efficient and cuDNN on this GPU, timed at the worker's start on a training-sized shape
-    # (pipeline/train/device.py); or one of them, or "math". A CPU keeps PyTorch's own choice.
-    attention_backend: AttentionBackend = op("auto")
-    # The output projection fused with the label-smoothed loss, in row chunks (model/loss.py,
-    # linear_label_smoothed_nll): no (tokens x vocabulary) logits, bf16 or fp32, are ever held.
-    # "auto" = on a GPU; a CPU keeps its projection + chunked loss (faster there: fewer, larger GEMMs).
-    fused_loss: bool | Auto = op("auto")
-    compile_backend: str = op("inductor")  # torch.compile backend ("aot_eager": capture only, for tests)
-    grad_compression: GradCompression = op("none")  # "bf16": DDP all-reduces gradients in bf16 (multi-node)
-    checkpoint_upload: CheckpointUpload = op("async")  # "async": upload in the background (Ray Train ASYNC); "sync"
-    # An object store that refuses or drops writes: a checkpoint upload is retried with backoff for
-    # up to this many seconds (pipeline.train.upload), then the worker fails (max_failures).
-    checkpoint_upload_retry_s: float = op(600.0)
-    # SIGTERM (a spot/preemptible VM's or Kubernetes' notice) -> a checkpoint at the next agreed
-    # step boundary if a step + a save fit in this many seconds, then the group stops and the run
-    # resumes there (pipeline.train.preemption). 0 = off: SIGTERM ends the worker at once.
-    preemption_grace_s: float = op(25.0)
-    # How often Ray Train's controller polls its workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S): a
-    # started group, a reported checkpoint, a finished run and a dead worker are each noticed at the
-    # next poll. Ray's 2 s by default: 0.5 s took ~5 s off a 30-step train stage but made local
-    # mode's 600 steps ~12% slower on 2 cores (docs/benchmarks.md, "Ray Train's poll interval").
-    # An explicit RAY_TRAIN_HEALTH_CHECK_INTERVAL_S in the driver's environment wins.
-    controller_poll_s: float = op(2.0)
     # Early stopping, off by default (the paper trains a fixed train.max_steps, §5.3): stop when
     # early_stop_metric has not improved for this many validations in a row (fairseq --patience,
     # Marian --early-stopping). "dev_bleu": each checkpoint's dev sacreBLEU (eval.dev_bleu, seen
-    # when its validation task ends); "val_loss": the dev loss every train.eval_interval_steps.
+    # when its validation task ends); "val_loss": the dev loss every metrics.val_loss_interval_steps.
     early_stop_patience: int = keyed_if_set(0)
     early_stop_metric: EarlyStopMetric = keyed_if_set("dev_bleu")
-    # The bill --plan prints (pipeline/plan/bill.py): the GPU each worker has, and the MFU it
-    # assumes unless a benchmarks/gpu_check.sh JSON (mfu_from, or --mfu-from) measured one.
-    gpu_type: str = op("A100")
-    mfu_from: str = op("")
-    assumed_mfu: float = op(0.3)
 
     def validate(self) -> None:
-        if isinstance(self.num_workers, list):
-            _check(len(self.num_workers) == 2, "train.num_workers", f"a range is [min, max], got {self.num_workers}")
-            _check(self.num_workers[0] >= 1, "train.num_workers", f"min must be >= 1, got {self.num_workers}")
-            _check(self.num_workers[0] <= self.num_workers[1], "train.num_workers",
-                   f"min must be <= max, got {self.num_workers}")
-        else:
-            _check(self.num_workers >= 1, "train.num_workers", "must be >= 1")
-        _check(self.elastic_resize_interval_s >= 0, "train.elastic_resize_interval_s", "must be >= 0")
-        _check(self.max_tokens_per_batch > 0, "train.max_tokens_per_batch", "must be > 0")
         _check(self.tokens_per_step > 0, "train.tokens_per_step", "must be > 0")
         _check(self.max_steps > 0, "train.max_steps", "must be > 0")
         _check(self.warmup_steps > 0, "train.warmup_steps", "must be > 0")
         _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
         _check(self.clip_norm >= 0.0, "train.clip_norm", "must be >= 0")
         _check(self.max_len > 0, "train.max_len", "must be > 0")
-        _check(self.checkpoint_interval_steps > 0, "train.checkpoint_interval_steps", "must be > 0")
-        _check(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
-        _check(self.eval_interval_steps > 0, "train.eval_interval_steps", "must be > 0")
-        _check(self.log_interval_steps > 0, "train.log_interval_steps", "must be > 0")
-        _check(self.max_failures >= 0, "train.max_failures", "must be >= 0")
-        _check(self.cpus_per_worker >= 0, "train.cpus_per_worker", "must be >= 0 (0 = auto)")
-        _check(self.checkpoint_upload_retry_s >= 0, "train.checkpoint_upload_retry_s", "must be >= 0 (0 = no retry)")
-        _check(self.preemption_grace_s >= 0, "train.preemption_grace_s", "must be >= 0 (0 = off)")
-        _check(self.controller_poll_s > 0, "train.controller_poll_s", "must be > 0")
         _check(self.early_stop_patience >= 0, "train.early_stop_patience", "must be >= 0 (0 = off)")
-        _check(0.0 < self.assumed_mfu <= 1.0, "train.assumed_mfu", "must be in (0, 1] (0.3 = 30%)")
 
 
 @dataclass
@@ -274,7 +187,7 @@ class EvalConfig(DecodeSettings):
     average_last: int = 5  # §6.1: "averaging the last 5 checkpoints"
     batch_tokens: int = op(4000)  # source tokens per decoding batch
     num_workers: int = op(1)  # Ray Data actors for translate (one per GPU)
-    use_gpu: bool | Auto = op("auto")  # as train.use_gpu: "auto" = a GPU per actor when the cluster has one
+    use_gpu: bool | Auto = op("auto")  # as workers.use_gpu: "auto" = a GPU per actor when the cluster has one
     # torch threads per CPU actor; 0 = auto: the node's CPUs shared out over eval.num_workers
     # (Ray still reserves run.data_num_cpus per actor, so the read tasks keep a CPU).
     threads_per_worker: int = op(0)
@@ -355,6 +268,11 @@ class Config:
     vocab: VocabConfig = field(default_factory=VocabConfig)
     model: ModelSection = field(default_factory=ModelSection)
     train: TrainConfig = field(default_factory=TrainConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -365,7 +283,7 @@ class Config:
             check_allowed(section, f"{f.name}.")
             if hasattr(section, "validate"):
                 section.validate()
-        _check(self.train.keep_checkpoints >= self.eval.average_last, "train.keep_checkpoints",
+        _check(self.checkpoint.num_to_keep >= self.eval.average_last, "checkpoint.num_to_keep",
                f"must be >= eval.average_last ({self.eval.average_last}) so averaging has its checkpoints")
         _check(not (self.train.early_stop_patience and self.train.early_stop_metric == "dev_bleu")
                or self.eval.dev_bleu, "train.early_stop_metric",

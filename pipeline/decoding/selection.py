@@ -24,7 +24,7 @@ def select_last(checkpoints: list[str], average_last: int) -> list[str]:
         raise ValueError(
             f"eval.average_last = {average_last} but train kept only {len(checkpoints)} "
             f"checkpoint(s) ({', '.join(checkpoints) or 'none'}). §6.1 averages the last 5: train "
-            f"longer / keep more (train.keep_checkpoints), or say --eval.average_last={max(len(checkpoints), 1)} "
+            f"longer / keep more (checkpoint.num_to_keep), or say --eval.average_last={max(len(checkpoints), 1)} "
             f"to average what exists.")
     return list(checkpoints[-average_last:])
 
@@ -52,20 +52,20 @@ def plan_check(cfg: Config) -> str | None:
     ``eval.average_last`` checkpoints for `average`; with time-based checkpoints (which the plan
     cannot count) return a note of what is expected, checked again when train ends
     (``expected_checkpoints_note``). None when the step interval alone provides them."""
-    t, need = cfg.train, cfg.eval.average_last
-    made = step_checkpoints(t.max_steps, t.checkpoint_interval_steps)
+    t, ck, need = cfg.train, cfg.checkpoint, cfg.eval.average_last
+    made = step_checkpoints(t.max_steps, ck.interval_steps)
     if made >= need:
         return early_stop_check(cfg)
-    if t.checkpoint_interval_s > 0:
+    if ck.interval_s > 0:
         return (f"expects {made} step checkpoint(s) (train.max_steps = {t.max_steps}, "
-                f"train.checkpoint_interval_steps = {t.checkpoint_interval_steps}) plus one per "
-                f"train.checkpoint_interval_s = {t.checkpoint_interval_s:g} s; eval.average_last = {need} "
+                f"checkpoint.interval_steps = {ck.interval_steps}) plus one per "
+                f"checkpoint.interval_s = {ck.interval_s:g} s; eval.average_last = {need} "
                 "needs the time-based ones: checked when train ends")
     raise ConfigError(
-        f"train.max_steps = {t.max_steps} with train.checkpoint_interval_steps = {t.checkpoint_interval_steps} "
+        f"train.max_steps = {t.max_steps} with checkpoint.interval_steps = {ck.interval_steps} "
         f"writes {made} checkpoint(s), but eval.average_last = {need} averages {need}: lower "
-        f"eval.average_last, lower train.checkpoint_interval_steps (<= {t.max_steps // need}), or set "
-        "train.checkpoint_interval_s")
+        f"eval.average_last, lower checkpoint.interval_steps (<= {t.max_steps // need}), or set "
+        "checkpoint.interval_s")
 
 
 def early_stop_check(cfg: Config) -> str | None:
@@ -74,25 +74,25 @@ def early_stop_check(cfg: Config) -> str | None:
     note when the best checkpoint will have been rotated out by the time the run stops.
 
     The earliest stop is after patience + 1 validations (the first sets the best): for val_loss at
-    step (patience + 1) x train.eval_interval_steps, which has written the step checkpoints up to
+    step (patience + 1) x metrics.val_loss_interval_steps, which has written the step checkpoints up to
     it and the stop's own; for dev_bleu after patience + 1 validated checkpoints (at least that many)."""
-    t, need = cfg.train, cfg.eval.average_last
+    t, ck, need = cfg.train, cfg.checkpoint, cfg.eval.average_last
     if not t.early_stop_patience:
         return None
     if t.early_stop_metric == "val_loss":
-        first_stop = min((t.early_stop_patience + 1) * t.eval_interval_steps, t.max_steps)
-        made = step_checkpoints(first_stop, t.checkpoint_interval_steps)  # the stop's own included
+        first_stop = min((t.early_stop_patience + 1) * cfg.metrics.val_loss_interval_steps, t.max_steps)
+        made = step_checkpoints(first_stop, ck.interval_steps)  # the stop's own included
     else:
         made = t.early_stop_patience + 1
-    if made < need and t.checkpoint_interval_s <= 0:
+    if made < need and ck.interval_s <= 0:
         raise ConfigError(
             f"train.early_stop_patience = {t.early_stop_patience} ({t.early_stop_metric}) may stop the run after "
             f"{made} checkpoint(s), but eval.average_last = {need} averages {need}: raise train.early_stop_patience, "
-            "lower eval.average_last" + (", or lower train.checkpoint_interval_steps"
+            "lower eval.average_last" + (", or lower checkpoint.interval_steps"
                                          if t.early_stop_metric == "val_loss" else ""))
-    if t.early_stop_patience >= t.keep_checkpoints:
-        return (f"early stopping: train.early_stop_patience = {t.early_stop_patience} >= train.keep_checkpoints = "
-                f"{t.keep_checkpoints}: when the run stops, its best checkpoint has been rotated out (average "
+    if t.early_stop_patience >= ck.num_to_keep:
+        return (f"early stopping: train.early_stop_patience = {t.early_stop_patience} >= checkpoint.num_to_keep = "
+                f"{ck.num_to_keep}: when the run stops, its best checkpoint has been rotated out (average "
                 "gets the last ones)")
     return None
 
@@ -103,8 +103,8 @@ def kept_shortfall(cfg: Config, num_kept: int) -> str | None:
     if num_kept >= need:
         return None
     return (f"train kept {num_kept} checkpoint(s) but eval.average_last = {need}: the average stage will "
-            f"refuse; train.checkpoint_interval_s = {cfg.train.checkpoint_interval_s:g} s and "
-            f"train.checkpoint_interval_steps = {cfg.train.checkpoint_interval_steps} made too few in "
+            f"refuse; checkpoint.interval_s = {cfg.checkpoint.interval_s:g} s and "
+            f"checkpoint.interval_steps = {cfg.checkpoint.interval_steps} made too few in "
             f"{cfg.train.max_steps} steps")
 
 

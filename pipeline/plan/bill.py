@@ -7,9 +7,9 @@
   device, forward + backward) over sampled steps of the real batch plan: the encode stage's
   training lengths when it is cached, else `ASSUMED_LENGTHS` (stated in the bill). The 6·N·T
   rule's figure is printed beside it.
-- GPUs: the most workers of `train.num_workers` (one GPU each); peak: `PEAK_FLOPS[train.gpu_type]`.
-- MFU: measured by benchmarks/gpu_check.sh (`--mfu-from FILE` or `train.mfu_from`: its train row
-  for this model size, compiled or eager as `train.compile`), else `train.assumed_mfu`, printed
+- GPUs: the most workers of `workers.num_workers` (one GPU each); peak: `PEAK_FLOPS[plan.gpu_type]`.
+- MFU: measured by benchmarks/gpu_check.sh (`--mfu-from FILE` or `plan.mfu_from`: its train row
+  for this model size, compiled or eager as `speed.compile`), else `plan.assumed_mfu`, printed
   as an assumption. gpu_check measures one GPU: the all-reduce between GPUs, validation and
   checkpoints are not in it, so the bill is a lower bound of the wall time; the progress line's
   ETA (measured) is the number to trust once training runs.
@@ -98,7 +98,7 @@ class Bill:
     shapes: str = ""  # `epoch_shapes`' line ("" = not computed)
     ops_per_micro_batch: int = 0  # `flops.count_step_ops`: forward + loss + backward
     micro_batches_per_worker: float = 1.0  # per step, the busiest worker's (mean over the sampled steps)
-    compiled: bool = False  # train.compile on a GPU: the host floor is not applied
+    compiled: bool = False  # speed.compile on a GPU: the host floor is not applied
 
     @property
     def flops_6nt(self) -> float:
@@ -155,7 +155,7 @@ class Bill:
             f"{self.micro_batches_per_worker:.3g} x {self.ops_per_micro_batch:,} x {HOST_S_PER_OP:.3g} / 3600 "
             f"= {self.host_hours:.4g} h (an eager step's dispatches, {1e3 * self.host_s_per_step:.1f} ms a step"
             f"{'; compiled: not applied, an upper bound of the host share' if self.compiled else ''})",
-            (f"  hours             compute (train.compile: the host floor is not measured) = {self.hours:.4g} h"
+            (f"  hours             compute (speed.compile: the host floor is not measured) = {self.hours:.4g} h"
              if self.compiled else
              f"  hours             max(compute, host floor) = max({self.compute_hours:.4g}, {self.host_hours:.4g}) "
              f"= {self.hours:.4g} h{' (host-bound)' if self.host_hours > self.compute_hours else ''}"),
@@ -168,7 +168,7 @@ class Bill:
 
 def peak_for(gpu_type: str) -> tuple[float, str]:
     if gpu_type not in PEAK_FLOPS:
-        raise ConfigError(f"train.gpu_type = {gpu_type!r}: unknown GPU (known: {', '.join(PEAK_FLOPS)})")
+        raise ConfigError(f"plan.gpu_type = {gpu_type!r}: unknown GPU (known: {', '.join(PEAK_FLOPS)})")
     return PEAK_FLOPS[gpu_type]
 
 
@@ -180,12 +180,12 @@ def model_size(mc: ModelConfig) -> str | None:
 
 def mfu_from_gpu_check(path: str, mc: ModelConfig, compiled: bool, gpu_type: str) -> tuple[float, str, list[str]]:
     """(MFU, where from, notes) from a gpu_check JSON: its train row for this model size, as
-    compiled (`train.compile`) when it has one, else the other. A ConfigError naming the file when
+    compiled (`speed.compile`) when it has one, else the other. A ConfigError naming the file when
     it has none."""
     try:
         report = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--mfu-from / train.mfu_from: cannot read {path} ({e})") from e
+        raise ConfigError(f"--mfu-from / plan.mfu_from: cannot read {path} ({e})") from e
     size = model_size(mc)
     if report.get("smoke"):
         raise ConfigError(f"--mfu-from: {path} is a gpu_check --smoke run (it measures nothing)")
@@ -205,7 +205,7 @@ def mfu_from_gpu_check(path: str, mc: ModelConfig, compiled: bool, gpu_type: str
                          "left out), a lower figure, so these hours are an overestimate")
         device = str(report.get("env", {}).get("device", "?"))
         if gpu_type.split("-")[0].lower() not in device.lower():
-            notes.append(f"MFU measured on {device}, applied to {gpu_type} (train.gpu_type)")
+            notes.append(f"MFU measured on {device}, applied to {gpu_type} (plan.gpu_type)")
         if size is None:
             notes.append(f"this model is neither base nor big: using gpu_check's '{name}' MFU")
         return mfu, f"measured: gpu_check '{name}' in {path}, on one {device}", notes
@@ -230,7 +230,7 @@ def sample_steps(src_len: np.ndarray, tgt_len: np.ndarray, cfg: Config, num_step
     steps, busiest = [], []
     for i in picks:
         split = step_groups.split_step(by_len[min(i, len(by_len) - 1)], src_len, tgt_len, workers,
-                                    tc.max_tokens_per_batch)
+                                    cfg.speed.max_tokens_per_batch)
         steps.append([MicroShape.of(src_len[c], tgt_len[c]) for chunks in split.chunks for c in chunks if len(c)])
         busiest.append(max(sum(1 for c in chunks if len(c)) for chunks in split.chunks))
     return steps, busiest
@@ -252,7 +252,7 @@ def shapes_report(cfg: Config, mc: ModelConfig, src_len: np.ndarray, tgt_len: np
     plan = step_groups.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
     workers = worker_range(cfg)[1]
     micro = [(src_len[c], tgt_len[c]) for g in plan
-             for w in step_groups.split_step(g, src_len, tgt_len, workers, tc.max_tokens_per_batch).chunks
+             for w in step_groups.split_step(g, src_len, tgt_len, workers, cfg.speed.max_tokens_per_batch).chunks
              for c in w if len(c)]
     return epoch_report(micro, ShapeBuckets(), mc.max_positions)
 
@@ -266,15 +266,15 @@ def epoch_shapes(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.nda
     else:
         where = f"the training split's {len(lengths[0]):,} pairs"
     report = shapes_report(cfg, mc, *lengths)
-    use = {"auto": "on a GPU", True: "on", False: "OFF"}[cfg.train.shape_buckets]
-    return (f"epoch 0 over {where}, {worker_range(cfg)[1]} worker(s), train.shape_buckets {use}: "
+    use = {"auto": "on a GPU", True: "on", False: "OFF"}[cfg.speed.shape_buckets]
+    return (f"epoch 0 over {where}, {worker_range(cfg)[1]} worker(s), speed.shape_buckets {use}: "
             f"{report.format()}")
 
 
 def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None,
               lengths_source: str = "", mfu_from: str = "", shapes: bool = False) -> Bill:
     """The bill of `cfg`'s train stage for the model `mc`; `lengths` = the training split's
-    (src_len, tgt_len) (None: `ASSUMED_LENGTHS`); `mfu_from` overrides `train.mfu_from`;
+    (src_len, tgt_len) (None: `ASSUMED_LENGTHS`); `mfu_from` overrides `plan.mfu_from`;
     `shapes`: count an epoch's batch shapes too (`epoch_shapes`: seconds for WMT14's 4.5M pairs)."""
     tc = cfg.train
     shapes_line = epoch_shapes(cfg, mc, lengths) if shapes else ""
@@ -283,26 +283,26 @@ def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarra
     src_len, tgt_len = lengths
     steps, busiest = sample_steps(src_len, tgt_len, cfg)
     flops = [step_flops(mc, step, tc.label_smoothing) for step in steps]
-    peak, peak_source = peak_for(tc.gpu_type)
-    path = mfu_from or tc.mfu_from
+    peak, peak_source = peak_for(cfg.plan.gpu_type)
+    path = mfu_from or cfg.plan.mfu_from
     notes: list[str] = []
     if path:
-        mfu, mfu_source, notes = mfu_from_gpu_check(path, mc, on_for(tc.compile, "cuda"), tc.gpu_type)
+        mfu, mfu_source, notes = mfu_from_gpu_check(path, mc, on_for(cfg.speed.compile, "cuda"), cfg.plan.gpu_type)
     else:
-        mfu, mfu_source = tc.assumed_mfu, ("an ASSUMPTION (train.assumed_mfu), not measured: measure it with "
+        mfu, mfu_source = cfg.plan.assumed_mfu, ("an ASSUMPTION (plan.assumed_mfu), not measured: measure it with "
                                            "benchmarks/gpu_check.sh and pass --mfu-from gpu_check.json")
-    if tc.precision == "fp32":
-        notes.append("train.precision = fp32: the peak is the 16-bit one; fp32 (TF32) reaches less")
+    if cfg.speed.precision == "fp32":
+        notes.append("speed.precision = fp32: the peak is the 16-bit one; fp32 (TF32) reaches less")
     with torch.device("meta"):
         num_params = Transformer(mc).num_parameters()
     return Bill(num_params=num_params, max_steps=tc.max_steps, num_gpus=worker_range(cfg)[1],
-                gpu_type=tc.gpu_type, peak_flops=peak, peak_source=peak_source, mfu=mfu, mfu_source=mfu_source,
+                gpu_type=cfg.plan.gpu_type, peak_flops=peak, peak_source=peak_source, mfu=mfu, mfu_source=mfu_source,
                 flops_per_step=float(np.mean(flops)),
                 tgt_tokens_per_step=float(np.mean([sum(m.Mt for m in s) for s in steps])),
                 src_tokens_per_step=float(np.mean([sum(m.Ms for m in s) for s in steps])),
                 lengths_source=lengths_source, sampled_steps=len(steps), notes=tuple(notes), shapes=shapes_line,
                 ops_per_micro_batch=count_step_ops(mc, tc.label_smoothing),
-                micro_batches_per_worker=float(np.mean(busiest)), compiled=on_for(tc.compile, "cuda"))
+                micro_batches_per_worker=float(np.mean(busiest)), compiled=on_for(cfg.speed.compile, "cuda"))
 
 
 def for_lengths(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray], mfu_from: str = "",

@@ -1,4 +1,4 @@
-"""Micro-batches of stable shape (`train.shape_buckets`): pure numpy, no torch, no Ray.
+"""Micro-batches of stable shape (`speed.shape_buckets`): pure numpy, no torch, no Ray.
 
 Token-bucketed steps give every micro-batch a new (rows B, source columns S, target columns T,
 computed source positions Ms, computed target positions Mt). On a GPU each new shape has its

@@ -34,9 +34,9 @@ from pipeline.packing import pack_by_length
 
 
 def worker_range(cfg: Config) -> tuple[int, int]:
-    """(min, max) workers of `train.num_workers`: (N, N) for a fixed count, else the elastic range
+    """(min, max) workers of `workers.num_workers`: (N, N) for a fixed count, else the elastic range
     (`pipeline.train.elastic`). The bill counts the most workers."""
-    n = cfg.train.num_workers
+    n = cfg.workers.num_workers
     return (int(n[0]), int(n[1])) if isinstance(n, list) else (int(n), int(n))
 
 
@@ -130,7 +130,7 @@ def split_step(group: np.ndarray, src_len: np.ndarray, tgt_len: np.ndarray, num_
     longest = int(plen.max(initial=0))
     if longest > max_tokens_per_batch:
         raise ValueError(f"a pair of {longest} padded tokens does not fit "
-                         f"train.max_tokens_per_batch = {max_tokens_per_batch}")
+                         f"speed.max_tokens_per_batch = {max_tokens_per_batch}")
     needed = len(_greedy_cuts(plen, max_tokens_per_batch)) - 1
     accum = max(1, -(-needed // num_workers))
     slots = num_workers * accum

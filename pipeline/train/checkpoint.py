@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pipeline.config import TrainConfig
+from pipeline.config import CheckpointConfig, MetricsConfig
 
 log = logging.getLogger(__name__)
 
@@ -152,34 +152,36 @@ def report(session: Any, step: int, metrics: dict[str, Any], upload_async: bool,
 # When a step logs, validates or checkpoints (`train.*_interval_*`): one place for the rules.
 #
 # Every worker reaches the same decision at the same step without talking, except for the
-# time-based checkpoint (`train.checkpoint_interval_s`): wall clocks differ between workers, so
+# time-based checkpoint (`checkpoint.interval_s`): wall clocks differ between workers, so
 # rank 0 decides and broadcasts, which waits for the device. That is asked on log steps only
 # (which all workers reach together), so a step that neither logs nor checkpoints never syncs,
-# and a time-based checkpoint comes at most `train.log_interval_steps` late.
+# and a time-based checkpoint comes at most `metrics.log_interval_steps` late.
 
 
 class Cadence:
     """The interval rules of one worker; `checkpointed()` restarts the checkpoint clock."""
 
-    def __init__(self, tc: TrainConfig, world: int, device: torch.device, validates: bool):
-        self.tc, self.world, self.device, self.validates = tc, world, device, validates
+    def __init__(self, max_steps: int, metrics: MetricsConfig, checkpoint: CheckpointConfig, world: int,
+                 device: torch.device, validates: bool):
+        self.max_steps, self.metrics, self.checkpoint = max_steps, metrics, checkpoint
+        self.world, self.device, self.validates = world, device, validates
         self.last_checkpoint_t = time.monotonic()
 
     def _every(self, step: int, interval: int) -> bool:
-        return step % interval == 0 or step == self.tc.max_steps
+        return step % interval == 0 or step == self.max_steps
 
     def logs(self, step: int) -> bool:
-        return self._every(step, self.tc.log_interval_steps)
+        return self._every(step, self.metrics.log_interval_steps)
 
     def validates_at(self, step: int) -> bool:
-        return self.validates and self._every(step, self.tc.eval_interval_steps)
+        return self.validates and self._every(step, self.metrics.val_loss_interval_steps)
 
     def checkpoints_at(self, step: int) -> bool:
-        if self._every(step, self.tc.checkpoint_interval_steps):
+        if self._every(step, self.checkpoint.interval_steps):
             return True
-        if self.tc.checkpoint_interval_s <= 0 or not self.logs(step):
+        if self.checkpoint.interval_s <= 0 or not self.logs(step):
             return False
-        flag = torch.tensor([int(time.monotonic() - self.last_checkpoint_t >= self.tc.checkpoint_interval_s)],
+        flag = torch.tensor([int(time.monotonic() - self.last_checkpoint_t >= self.checkpoint.interval_s)],
                             device=self.device)
         if self.world > 1:
             dist.broadcast(flag, src=0)
@@ -196,9 +198,9 @@ class Checkpointer:
     `state` holds what a checkpoint keeps besides the progress: the model, optimizer, scheduler
     and scaler (the keyword arguments of `save` and `load`)."""
 
-    def __init__(self, session: Any, rank: int, device: torch.device, tc: TrainConfig, state: dict[str, Any],
-                 cadence: Cadence, model_config: dict[str, Any], extra: dict[str, Any]):
-        self.session, self.rank, self.device, self.tc = session, rank, device, tc
+    def __init__(self, session: Any, rank: int, device: torch.device, checkpoint: CheckpointConfig,
+                 state: dict[str, Any], cadence: Cadence, model_config: dict[str, Any], extra: dict[str, Any]):
+        self.session, self.rank, self.device, self.checkpoint = session, rank, device, checkpoint
         self.state, self.cadence, self.model_config, self.extra = state, cadence, model_config, extra
 
     def restore(self) -> Progress | None:
@@ -217,14 +219,14 @@ class Checkpointer:
         """The checkpoint of `p.step` (reported with `metrics`); the seconds the loop waited (`sync`:
         the upload included), logged through `log_metrics` on rank 0."""
         t0 = time.perf_counter()
-        upload_async = self.tc.checkpoint_upload == "async" and not sync
+        upload_async = self.checkpoint.upload == "async" and not sync
         report(self.session, p.step, {"step": p.step, "epoch": p.epoch, **metrics}, upload_async,
                lambda folder: save(folder, **self.state, progress=p, model_config=self.model_config,
                                    extra=self.extra))
         self.cadence.checkpointed()
         if self.rank == 0:
             log_metrics({"train/checkpoint_stall_s": time.perf_counter() - t0})
-            log.info("step %d/%d | checkpoint %s (%s upload; the loop waited %.2f s)", p.step, self.tc.max_steps,
+            log.info("step %d/%d | checkpoint %s (%s upload; the loop waited %.2f s)", p.step, self.cadence.max_steps,
                      checkpoint_dir_name(p.step), "background" if upload_async else "synchronous",
                      time.perf_counter() - t0)
         return time.perf_counter() - t0

@@ -108,7 +108,7 @@ _ARRAYS = ("src_values", "src_offsets", "tgt_values", "tgt_offsets", "src_len", 
 
 
 def default_cache_dir() -> Path:
-    """Node-local folder for shared corpus copies (`train.corpus_cache_dir` overrides it)."""
+    """Node-local folder for shared corpus copies (`workers.corpus_cache_dir` overrides it)."""
     return Path(tempfile.gettempdir()) / "transformer-repro" / "corpus"
 
 

@@ -1,4 +1,4 @@
-"""Dev-set loss and perplexity during training (`train.eval_interval_steps`), in the workers.
+"""Dev-set loss and perplexity during training (`metrics.val_loss_interval_steps`), in the workers.
 
 Each worker takes a stride of the dev batches and the sums are all-reduced, so the dev loss costs
 about one forward pass over the dev set split over the workers; pairs longer than the model's
@@ -7,7 +7,7 @@ checkpoint is another thing: `pipeline.train.dev_bleu_validation`, Ray Train's v
 
 On a GPU the dev batches take the training steps' shapes and loss: padded to the same
 `ShapeBuckets` (dev batches are not repeated within one evaluation, so without buckets every one
-is a shape the kernels are chosen for anew), and the same `LossSettings` (with `train.fused_loss`,
+is a shape the kernels are chosen for anew), and the same `LossSettings` (with `speed.fused_loss`,
 the fused projection + loss: no (M, V) logits). Both change no figure
 (tests/unit/train/test_dev_loss.py).
 """
@@ -36,7 +36,7 @@ class DevLoss:
     def __init__(self, data: Corpus, mcfg: ModelConfig, max_tokens: int, loss: LossSettings, rank: int,
                  world: int, device: torch.device, buckets: ShapeBuckets | None = None):
         """`loss`: the training steps' (`step.micro_batch_loss`; its scaler is unused here);
-        `buckets`: pad each dev batch to its bucketed shape (`train.shape_buckets`)."""
+        `buckets`: pad each dev batch to its bucketed shape (`speed.shape_buckets`)."""
         self.data, self.loss, self.rank, self.world, self.device = data, loss, rank, world, device
         self.layout = token_batches.BatchLayout.of(mcfg, buckets=buckets)
         d, limit = data, mcfg.max_positions

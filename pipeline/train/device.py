@@ -1,5 +1,5 @@
-"""How a worker runs on its device: precision (`train.precision`), attention kernel
-(`train.attention_backend`) and compilation (`train.compile`). Torch only (no Ray, no MLflow): the
+"""How a worker runs on its device: precision (`speed.precision`), attention kernel
+(`speed.attention_backend`) and compilation (`speed.compile`). Torch only (no Ray, no MLflow): the
 GPU check runs it on a bare CUDA image. `WorkerDevice` is the Trainer's part that holds them.
 
 Precision. "auto" (the default) = bf16 autocast where the device does bf16 natively, fp32 otherwise:
@@ -52,7 +52,7 @@ import torch.fx.experimental._config  # noqa: F401 (use_duck_shape, below)
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pipeline.config import ConfigError, Precision, TrainConfig
+from pipeline.config import ConfigError, Precision, SpeedConfig
 from pipeline.config.devices import on_for
 from pipeline.train.step import FusedOutput, LossSettings
 
@@ -87,25 +87,25 @@ def _cpuinfo_has(flag: str) -> bool:
 
 
 def resolve_precision(requested: str, device: torch.device) -> str:
-    """The precision a worker on `device` trains in ("bf16" | "fp16" | "fp32") for `train.precision`."""
+    """The precision a worker on `device` trains in ("bf16" | "fp16" | "fp32") for `speed.precision`."""
     if requested not in CHOICES:
-        raise ConfigError(f"train.precision = {requested!r}: must be one of {', '.join(CHOICES)}")
+        raise ConfigError(f"speed.precision = {requested!r}: must be one of {', '.join(CHOICES)}")
     if device.type == "cuda":
         if requested == "fp32":
             return "fp32"
         if requested in ("bf16", "auto") and not torch.cuda.is_bf16_supported():
-            log.warning("train.precision=%s: this GPU has no bf16; using fp16 with a GradScaler", requested)
+            log.warning("speed.precision=%s: this GPU has no bf16; using fp16 with a GradScaler", requested)
             return "fp16"
         return "bf16" if requested == "auto" else requested
     if requested == "fp32":
         return "fp32"
     features = cpu_bf16_features()
     if requested == "fp16":
-        raise ConfigError("train.precision = 'fp16' is for GPUs without bf16; on a CPU use 'auto', 'bf16' "
+        raise ConfigError("speed.precision = 'fp16' is for GPUs without bf16; on a CPU use 'auto', 'bf16' "
                           "or 'fp32'")
     if requested == "bf16" and not features:
-        raise ConfigError("train.precision = 'bf16' but this CPU has no native bf16 (neither AVX512-BF16 nor "
-                          "AMX): emulated bf16 is slower than fp32; set train.precision = 'auto' or 'fp32'")
+        raise ConfigError("speed.precision = 'bf16' but this CPU has no native bf16 (neither AVX512-BF16 nor "
+                          "AMX): emulated bf16 is slower than fp32; set speed.precision = 'auto' or 'fp32'")
     return "bf16" if features else "fp32"
 
 
@@ -126,7 +126,7 @@ def describe(requested: str, device: torch.device) -> str:
     else:
         features = cpu_bf16_features()
         why = f"CPU with {' and '.join(features)}" if features else "CPU without native bf16"
-    return f"train.precision={requested} -> {chosen} ({why})"
+    return f"speed.precision={requested} -> {chosen} ({why})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,17 +184,17 @@ def attention_context(setting: str, device: torch.device, n_heads: int, head_dim
     """(a context factory the steps run in, a log line saying what was chosen and why)."""
     if setting != "auto":
         backends = priority(setting)
-        return (lambda: sdpa_kernel(backends, set_priority=True)), f"train.attention_backend = {setting} (first)"
+        return (lambda: sdpa_kernel(backends, set_priority=True)), f"speed.attention_backend = {setting} (first)"
     if device.type != "cuda":
-        return contextlib.nullcontext, "train.attention_backend = auto: PyTorch's choice on a CPU"
+        return contextlib.nullcontext, "speed.attention_backend = auto: PyTorch's choice on a CPU"
     shape = (max(1, tokens // length), n_heads, length, head_dim)
     best, timings = fastest(GPU_CANDIDATES, shape, device, dtype)
     shown = ", ".join(f"{n} {t * 1e3:.2f} ms" if t != float("inf") else f"{n} cannot run" for n, t in timings.items())
     if best is None:
-        return contextlib.nullcontext, f"train.attention_backend = auto: none of {shown}; PyTorch's choice"
+        return contextlib.nullcontext, f"speed.attention_backend = auto: none of {shown}; PyTorch's choice"
     backends = priority(best)
     return ((lambda: sdpa_kernel(backends, set_priority=True)),
-            f"train.attention_backend = auto -> {best} first (a layer's three attentions, fwd+bwd at {shape}: {shown})")
+            f"speed.attention_backend = auto -> {best} first (a layer's three attentions, fwd+bwd at {shape}: {shown})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,22 +230,22 @@ def compile_model(model: torch.nn.Module, backend: str = "inductor") -> tuple[to
 
 class WorkerDevice:
     """How this worker runs on `device`, set up once: torch threads, denormals and the CUDA device at
-    construction, then the precision (`train.precision`), its autocast and loss settings, the model
+    construction, then the precision (`speed.precision`), its autocast and loss settings, the model
     compiled or not (`compile`) and the attention kernel (`choose_attention`)."""
 
-    def __init__(self, tc: TrainConfig, device: torch.device, num_threads: int = 0):
-        self.tc, self.device = tc, device
+    def __init__(self, speed: SpeedConfig, device: torch.device, num_threads: int = 0):
+        self.speed, self.device = speed, device
         if num_threads > 0:
             torch.set_num_threads(num_threads)  # Ray's OMP_NUM_THREADS may say otherwise
         if device.type == "cpu":
             torch.set_flush_denormal(True)  # denormals slow CPU matmuls many-fold late in training
         else:
             torch.cuda.set_device(device)
-        self.precision = resolve_precision(tc.precision, device)
+        self.precision = resolve_precision(speed.precision, device)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
         self.row_multiple = row_multiple(self.precision, device)  # what `token_batches.collate` rounds to
         self.attention: Callable[[], ContextManager] = contextlib.nullcontext  # the steps' SDPA kernel choice
-        self.compiler: CountingBackend | None = None  # counts the graphs torch.compile made (train.compile)
+        self.compiler: CountingBackend | None = None  # counts the graphs torch.compile made (speed.compile)
 
     def autocast(self) -> ContextManager:
         """The context a forward runs in: autocast to the precision's dtype (none in fp32)."""
@@ -256,22 +256,22 @@ class WorkerDevice:
     def loss_settings(self, model: Any, label_smoothing: float, pad_id: int) -> LossSettings:
         """The steps' and the dev loss's `LossSettings` for `model` (a `model.Transformer`): fp16 (GPUs
         without bf16) scales the loss with the device's own GradScaler (tests drive it on the CPU);
-        `train.fused_loss` fuses the output projection with the loss, multiplying in the autocast dtype."""
+        `speed.fused_loss` fuses the output projection with the loss, multiplying in the autocast dtype."""
         scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         fused = (FusedOutput(model.output_proj.weight, self.autocast_dtype or torch.float32)
-                 if on_for(self.tc.fused_loss, self.device.type) else None)
+                 if on_for(self.speed.fused_loss, self.device.type) else None)
         return LossSettings(label_smoothing, pad_id, self.autocast, scaler, fused)
 
     def compile(self, model: torch.nn.Module) -> torch.nn.Module:
-        """What the steps call: `model` compiled when `train.compile` is on for this device (its graphs
+        """What the steps call: `model` compiled when `speed.compile` is on for this device (its graphs
         counted by `compiler`), else `model` itself."""
-        if not on_for(self.tc.compile, self.device.type):
+        if not on_for(self.speed.compile, self.device.type):
             return model
-        compiled, self.compiler = compile_model(model, self.tc.compile_backend)
+        compiled, self.compiler = compile_model(model, self.speed.compile_backend)
         return compiled
 
     def choose_attention(self, n_heads: int, head_dim: int) -> str:
-        """Set `attention` (`train.attention_backend`); a log line saying what was chosen and why."""
-        self.attention, why = attention_context(self.tc.attention_backend, self.device, n_heads, head_dim,
+        """Set `attention` (`speed.attention_backend`); a log line saying what was chosen and why."""
+        self.attention, why = attention_context(self.speed.attention_backend, self.device, n_heads, head_dim,
                                                 self.autocast_dtype or torch.float32)
         return why

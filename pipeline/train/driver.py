@@ -88,15 +88,15 @@ def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str,
         raise TrainInputError(f"train.tokens_per_step={tc.tokens_per_step} is smaller than one training pair "
                               f"({longest_tgt} target tokens with eos): a step must hold at least a sentence")
     longest_padded = int(step_groups.padded_len(src_len[keep], tgt_len[keep]).max())
-    if tc.max_tokens_per_batch < longest_padded:
-        raise TrainInputError(f"train.max_tokens_per_batch={tc.max_tokens_per_batch} is smaller than the longest "
-                              f"kept pair ({longest_padded} padded tokens): raise it or lower train.max_len")
+    if cfg.speed.max_tokens_per_batch < longest_padded:
+        raise TrainInputError(f"speed.max_tokens_per_batch={cfg.speed.max_tokens_per_batch} is smaller than the "
+                              f"longest kept pair ({longest_padded} padded tokens): raise it or lower train.max_len")
     rows = np.flatnonzero(keep)
     plan = step_groups.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
     # With a range, the smallest group: the most micro-batches per worker (workers split each step
     # by the world size they have at each (re)start, never by this number).
     workers = worker_range(cfg)[0]
-    accum = [step_groups.split_step(g, src_len, tgt_len, workers, tc.max_tokens_per_batch).accum
+    accum = [step_groups.split_step(g, src_len, tgt_len, workers, cfg.speed.max_tokens_per_batch).accum
              for g in plan[:50]]
     stats = {"num_pairs": len(src_len), "num_kept": num_kept, "num_dropped_too_long": len(src_len) - num_kept,
              "steps_per_epoch": len(plan), "mean_tgt_tokens_per_step":
@@ -108,7 +108,7 @@ def preflight(cfg: Config, mc: ModelConfig, train_dir: str, dev_dir: str,
     log.info("train: %d steps per epoch, %.0f target tokens and %.0f pairs per step; %d worker(s) x "
              "%.1f micro-batch(es) on average (max %d) under %d padded tokens each", len(plan),
              stats["mean_tgt_tokens_per_step"], stats["mean_pairs_per_step"], workers,
-             stats["accum_mean"], stats["accum_max"], tc.max_tokens_per_batch)
+             stats["accum_mean"], stats["accum_max"], cfg.speed.max_tokens_per_batch)
     if stats["mean_pairs_per_step"] < worker_range(cfg)[1]:
         log.warning("train: fewer pairs per step (%.1f) than workers (%d): some workers idle each step",
                     stats["mean_pairs_per_step"], worker_range(cfg)[1])
@@ -128,7 +128,7 @@ def _session_wrapper() -> str:
     return value
 
 
-# Ray Train V2's controller poll interval (ray.train.v2._internal.constants; train.controller_poll_s),
+# Ray Train V2's controller poll interval (ray.train.v2._internal.constants; workers.controller_poll_s),
 # and its value in this driver's environment before we set it (a user's explicit choice wins).
 CONTROLLER_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 _USER_CONTROLLER_POLL = os.environ.get(CONTROLLER_POLL_ENV, "")
@@ -136,15 +136,15 @@ _USER_CONTROLLER_POLL = os.environ.get(CONTROLLER_POLL_ENV, "")
 
 def controller_poll_s(cfg: Config) -> str:
     """What Ray Train's controller polls at: the driver's RAY_TRAIN_HEALTH_CHECK_INTERVAL_S when the
-    user set one, else train.controller_poll_s."""
-    return _USER_CONTROLLER_POLL or str(cfg.train.controller_poll_s)
+    user set one, else workers.controller_poll_s."""
+    return _USER_CONTROLLER_POLL or str(cfg.workers.controller_poll_s)
 
 
 def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     """What every Ray Train worker runs."""
     worker_logging()
     validate = bool(config.pop("dev_bleu", False))  # set by `fit` when it gives a validation_config
-    retry_s = config["cfg"]["train"]["checkpoint_upload_retry_s"]
+    retry_s = config["cfg"]["checkpoint"]["upload_retry_s"]
     return train_worker(config, RaySession(validate, upload_retry_s=retry_s))
 
 
@@ -156,21 +156,21 @@ def forget_run(cfg: Config, key: str) -> None:
 
 
 def gpu_training(cfg: Config) -> bool:
-    """Train on GPUs: `train.use_gpu` against the (already connected) Ray cluster ("auto": when it
+    """Train on GPUs: `workers.use_gpu` against the (already connected) Ray cluster ("auto": when it
     has one; true without one is a ConfigError)."""
     import ray
 
-    return use_gpus(cfg.train.use_gpu, ray.cluster_resources().get("GPU", 0), "train.use_gpu")
+    return use_gpus(cfg.workers.use_gpu, ray.cluster_resources().get("GPU", 0), "workers.use_gpu")
 
 
 def cpus_per_worker(cfg: Config, use_gpu: bool) -> int:
-    """CPUs each worker reserves and uses as torch threads (`train.cpus_per_worker`, 0 = auto).
+    """CPUs each worker reserves and uses as torch threads (`workers.cpus_per_worker`, 0 = auto).
 
     Auto on CPU: the cluster's CPUs shared out over the workers, at most one node's worth, so a
     laptop's training uses every core (Ray would otherwise give a worker 1 CPU, hence 1 thread).
     Auto on GPU: 1 (the GPU does the work; the rest stays free for Ray Data stages)."""
-    if cfg.train.cpus_per_worker > 0:
-        return cfg.train.cpus_per_worker
+    if cfg.workers.cpus_per_worker > 0:
+        return cfg.workers.cpus_per_worker
     if use_gpu:
         return 1
     per_node = node_cpus()
@@ -189,13 +189,13 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str, validatio
     from ray.train.torch import TorchConfig, TorchTrainer
 
     ensure_ray(cfg)
-    tc = cfg.train
+    wc = cfg.workers
     use_gpu = gpu_training(cfg)
-    if tc.use_gpu == "auto":
-        log.info("train.use_gpu = auto: the Ray cluster has %s GPU: training on %s",
+    if wc.use_gpu == "auto":
+        log.info("workers.use_gpu = auto: the Ray cluster has %s GPU: training on %s",
                  "a" if use_gpu else "no", "GPUs" if use_gpu else "CPUs")
-    if not use_gpu:  # a bad train.precision fails here, before any worker starts (this CPU decides)
-        log.info("train: %s", describe_precision(tc.precision, torch.device("cpu")))
+    if not use_gpu:  # a bad speed.precision fails here, before any worker starts (this CPU decides)
+        log.info("train: %s", describe_precision(cfg.speed.precision, torch.device("cpu")))
     cpus = cpus_per_worker(cfg, use_gpu)
     elastic.check_cluster(cfg, ray.nodes(), use_gpu, cpus)
     spec.num_threads = 0 if use_gpu else cpus
@@ -208,15 +208,15 @@ def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str, validatio
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(**elastic.scaling_kwargs(cfg), use_gpu=use_gpu,
                                      resources_per_worker={"CPU": cpus, **({"GPU": 1} if use_gpu else {})},
-                                     placement_strategy=tc.placement_strategy),
+                                     placement_strategy=wc.placement_strategy),
         run_config=RunConfig(
             name=run_name, storage_path=storage_path,
-            failure_config=FailureConfig(max_failures=tc.max_failures),
-            callbacks=[preemption.ray_worker_callback()] if tc.preemption_grace_s else [],
-            checkpoint_config=CheckpointConfig(num_to_keep=tc.keep_checkpoints)),
+            failure_config=FailureConfig(max_failures=wc.max_failures),
+            callbacks=[preemption.ray_worker_callback()] if wc.preemption_grace_s else [],
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.num_to_keep)),
     )
     log.info("train: Ray Train run %s under %s, %s %s worker(s), %d CPU(s) each; its controller polls every %s s",
-             run_name, storage_path, tc.num_workers, "GPU" if use_gpu else "CPU", cpus, os.environ[CONTROLLER_POLL_ENV])
+             run_name, storage_path, wc.num_workers, "GPU" if use_gpu else "CPU", cpus, os.environ[CONTROLLER_POLL_ENV])
     return trainer.fit()
 
 
@@ -333,7 +333,7 @@ def _log_bill(ctx: StageContext, mc: ModelConfig, lengths: tuple[np.ndarray, np.
 
     try:
         b = bill.for_lengths(ctx.cfg, mc, lengths)
-        log.info("train: the bill at train.gpu_type %s: %.4g FLOPs per step, %.3g h and %.3g GPU-hours at MFU %.3g",
+        log.info("train: the bill at plan.gpu_type %s: %.4g FLOPs per step, %.3g h and %.3g GPU-hours at MFU %.3g",
                  b.gpu_type, b.flops_per_step, b.hours, b.gpu_hours, b.mfu)
         ctx.tracker.log_params(b.params())
     except Exception as e:  # noqa: BLE001 (an unknown gpu_type, a changed MLflow param): a note, not a failure

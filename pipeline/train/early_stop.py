@@ -8,7 +8,7 @@ run stops when it reaches the patience. Off (0) by default: the paper trains a f
 steps (§5.3).
 
 Where the values come from:
-- "val_loss": the loop's own dev loss every ``train.eval_interval_steps`` (rank 0's
+- "val_loss": the loop's own dev loss every ``metrics.val_loss_interval_steps`` (rank 0's
   `Progress.history_val`, kept in every checkpoint);
 - "dev_bleu": each checkpoint's dev sacreBLEU, computed by Ray Train's asynchronous validation
   task (pipeline/train/dev_bleu_task.py) and read back from its per-checkpoint records, which rank 0

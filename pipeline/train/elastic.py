@@ -1,16 +1,16 @@
-"""Elastic worker count: `train.num_workers = [min, max]` on Ray Train 2.60's elastic scaling.
+"""Elastic worker count: `workers.num_workers = [min, max]` on Ray Train 2.60's elastic scaling.
 
 With a range the stage passes `ScalingConfig(num_workers=(min, max),
-elastic_resize_monitor_interval_s=train.elastic_resize_interval_s)`. What Ray Train then does
+elastic_resize_monitor_interval_s=workers.elastic_resize_interval_s)`. What Ray Train then does
 (ray/train/v2/_internal/execution/scaling_policy/elastic.py, controller.py, failure_handling/):
 
 - It starts (and restarts) the group on as many workers as the cluster can place, between min
   and max; below min it waits.
 - A lost node is noticed through its workers: the controller polls them every
-  train.controller_poll_s (2 s; Ray's RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), and a dead worker actor
+  workers.controller_poll_s (2 s; Ray's RAY_TRAIN_HEALTH_CHECK_INTERVAL_S), and a dead worker actor
   (its process gone with its raylet, or its node declared dead by the GCS's health checks) is a
   worker-group error. The group is then restarted from the latest checkpoint on the workers that
-  fit. That restart counts against `train.max_failures` (`FailureConfig.max_failures`) unless Ray
+  fit. That restart counts against `workers.max_failures` (`FailureConfig.max_failures`) unless Ray
   saw the node drained first (a cloud preemption through the autoscaler: `max_preemption_failures`,
   unlimited by default).
 - While running, every elastic_resize_monitor_interval_s it asks whether more workers fit; if so
@@ -34,12 +34,12 @@ log = logging.getLogger(__name__)
 
 
 class ElasticConfigError(ValueError):
-    """`train.num_workers` cannot work on this cluster; raised before any worker starts."""
+    """`workers.num_workers` cannot work on this cluster; raised before any worker starts."""
 
 
 def is_elastic(cfg: Config) -> bool:
     lo, hi = worker_range(cfg)
-    return isinstance(cfg.train.num_workers, list) and lo != hi
+    return isinstance(cfg.workers.num_workers, list) and lo != hi
 
 
 def scaling_kwargs(cfg: Config) -> dict[str, Any]:
@@ -47,13 +47,13 @@ def scaling_kwargs(cfg: Config) -> dict[str, Any]:
     lo, hi = worker_range(cfg)
     if not is_elastic(cfg):
         return {"num_workers": hi}
-    return {"num_workers": (lo, hi), "elastic_resize_monitor_interval_s": cfg.train.elastic_resize_interval_s}
+    return {"num_workers": (lo, hi), "elastic_resize_monitor_interval_s": cfg.workers.elastic_resize_interval_s}
 
 
 def check_cluster(cfg: Config, nodes: list[dict[str, Any]], use_gpu: bool, cpus_per_worker: int) -> None:
     """With a range: the cluster (`ray.nodes()`, alive ones) must hold `min` workers now, and its
     GPUs must be of one kind (a mixed group would run at the slowest GPU's pace, with bf16 or
-    not depending on the node). Errors name train.num_workers."""
+    not depending on the node). Errors name workers.num_workers."""
     if not is_elastic(cfg):
         return
     lo, hi = worker_range(cfg)
@@ -63,7 +63,7 @@ def check_cluster(cfg: Config, nodes: list[dict[str, Any]], use_gpu: bool, cpus_
     fits = sum(per_node)
     if fits < lo:
         raise ElasticConfigError(
-            f"train.num_workers = [{lo}, {hi}]: the Ray cluster holds {fits} {'GPU' if use_gpu else 'CPU'} "
+            f"workers.num_workers = [{lo}, {hi}]: the Ray cluster holds {fits} {'GPU' if use_gpu else 'CPU'} "
             f"worker(s) now ({cpus_per_worker} CPU(s) each{', 1 GPU each' if use_gpu else ''}), fewer than the "
             "minimum: lower the minimum or add nodes")
     if use_gpu:
@@ -71,7 +71,7 @@ def check_cluster(cfg: Config, nodes: list[dict[str, Any]], use_gpu: bool, cpus_
                         for k in n["Resources"] if k.startswith("accelerator_type:")})
         if len(kinds) > 1:
             raise ElasticConfigError(
-                f"train.num_workers = [{lo}, {hi}] with train.use_gpu: the cluster's GPUs are of different kinds "
+                f"workers.num_workers = [{lo}, {hi}] with workers.use_gpu: the cluster's GPUs are of different kinds "
                 f"({', '.join(kinds)}); an elastic group could mix them. Use one GPU type per cluster")
 
 
@@ -83,7 +83,7 @@ def log_start(tracker: Any, rank: int, step: int, world: int, accum: int, previo
     if previous_world is not None and previous_world != world:
         why = ("shrank: a worker or its node was lost and Ray Train restarted the group on the workers it could "
                "place" if world < previous_world else
-               "grew: capacity came back and Ray Train's resize check (train.elastic_resize_interval_s) restarted "
+               "grew: capacity came back and Ray Train's resize check (workers.elastic_resize_interval_s) restarted "
                "the group larger")
         log.warning("elastic: resumed at step %d on %d worker(s), %d at the checkpoint: the group %s; "
                     "%d micro-batch(es) per worker", step, world, previous_world, why, accum)

@@ -111,7 +111,7 @@ class StepPlan:
 class HostBatcher:
     """This worker's micro-batches of one step (`rank` of `world`), under `max_tokens` padded tokens
     each; `row_multiple`, `buckets`: see `token_batches.BatchLayout` (`device.row_multiple`,
-    `train.shape_buckets`). `shapes` collects the shapes handed out (the loop logs their count)."""
+    `speed.shape_buckets`). `shapes` collects the shapes handed out (the loop logs their count)."""
 
     def __init__(self, data: Corpus, mcfg: ModelConfig, rank: int, world: int, max_tokens: int,
                  device: torch.device, row_multiple: int = 1, buckets: ShapeBuckets | None = None):

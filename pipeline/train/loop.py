@@ -79,17 +79,18 @@ class Trainer:
         self.spec, self.session = spec, session
         self.cfg = config_from_dict(spec.cfg)
         self.tc = tc = self.cfg.train
+        self.speed = speed = self.cfg.speed
         self.mcfg = ModelConfig.from_dict(spec.model_config)
         self.device, self.rank, self.world = session.device, session.rank, session.world_size
-        self.device_setup = WorkerDevice(tc, self.device, spec.num_threads)
-        self.train_data = load_shared_corpus(spec.train_dir, tc.corpus_cache_dir or None)
+        self.device_setup = WorkerDevice(speed, self.device, spec.num_threads)
+        self.train_data = load_shared_corpus(spec.train_dir, self.cfg.workers.corpus_cache_dir or None)
         self.plan = StepPlan(self.train_data, tc.max_len, tc.tokens_per_step, tc.seed)
         torch.manual_seed(tc.seed)  # identical initial weights on every worker
         self.model = Transformer(self.mcfg, cpu_kernels=cpu_kernels).to(self.device)
-        # train.shape_buckets: fixed shapes on a GPU, for the steps and the dev batches alike
-        buckets = ShapeBuckets() if on_for(tc.shape_buckets, self.device.type) else None
+        # speed.shape_buckets: fixed shapes on a GPU, for the steps and the dev batches alike
+        buckets = ShapeBuckets() if on_for(speed.shape_buckets, self.device.type) else None
         self.loss_settings = self.device_setup.loss_settings(self.model, tc.label_smoothing, self.mcfg.pad_id)
-        self.dev_loss = (DevLoss(load_corpus(spec.dev_dir), self.mcfg, tc.max_tokens_per_batch, self.loss_settings,
+        self.dev_loss = (DevLoss(load_corpus(spec.dev_dir), self.mcfg, speed.max_tokens_per_batch, self.loss_settings,
                                  self.rank, self.world, self.device, buckets) if spec.dev_dir else None)
         self.optimizer = make_optimizer(self.model, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps)
         self.scheduler = make_scheduler(self.optimizer, self.mcfg.d_model, tc.warmup_steps, tc.lr_scale)
@@ -98,14 +99,15 @@ class Trainer:
         if self.rank == 0:
             log.info("%s", why)
         # This worker's host batches; it counts the shapes it made.
-        self.batcher = HostBatcher(self.train_data, self.mcfg, self.rank, self.world, tc.max_tokens_per_batch,
+        self.batcher = HostBatcher(self.train_data, self.mcfg, self.rank, self.world, speed.max_tokens_per_batch,
                                    self.device, self.device_setup.row_multiple, buckets)
         self.progress = Progress()
-        self.cadence = Cadence(tc, self.world, self.device, validates=self.dev_loss is not None)
+        self.cadence = Cadence(tc.max_steps, self.cfg.metrics, self.cfg.checkpoint, self.world, self.device,
+                               validates=self.dev_loss is not None)
         state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
                  "scaler": self.loss_settings.scaler}
         extra = {"seed": tc.seed, "world_size": self.world, "num_dropped": self.plan.num_dropped}
-        self.checkpoints = Checkpointer(session, self.rank, self.device, tc, state, self.cadence,
+        self.checkpoints = Checkpointer(session, self.rank, self.device, self.cfg.checkpoint, state, self.cadence,
                                         spec.model_config, extra)
         self.early_stop = EarlyStopDecision.for_loop(tc, self.dev_loss is not None, spec.dev_bleu_dir, self.rank,
                                                      self.world, self.device)
@@ -125,12 +127,13 @@ class Trainer:
         self.restore()
         self.start_step = self.progress.step
         self.cadence.checkpointed()  # the checkpoint clock starts with the loop
-        model = distributed(self.forward_model, self.device, self.world, self.tc.grad_compression)
+        model = distributed(self.forward_model, self.device, self.world, self.speed.grad_compression)
         p, tc = self.progress, self.tc
         self._log_start()
         window, t_attempt, time_base = Window(), time.perf_counter(), p.train_time_s
-        feeder = Feeder(self.batcher, prefetch=tc.prefetch)
-        notice = preemption.Agreement(tc.preemption_grace_s, self.rank, self.world) if tc.preemption_grace_s else None
+        feeder = Feeder(self.batcher, prefetch=self.speed.prefetch)
+        grace_s = self.cfg.workers.preemption_grace_s
+        notice = preemption.Agreement(grace_s, self.rank, self.world) if grace_s else None
         try:
             while p.step < tc.max_steps and not p.early_stop:
                 t_step = time.perf_counter()
@@ -168,7 +171,7 @@ class Trainer:
         previous_world, p.world_size = p.world_size or None, self.world
         group, _ = self.plan.at(p.epoch, p.step_in_epoch)
         if group is not None:
-            accum = self.plan.accum(group, self.world, tc.max_tokens_per_batch)
+            accum = self.plan.accum(group, self.world, self.speed.max_tokens_per_batch)
             elastic.log_start(self.metrics.tracker, self.rank, p.step, self.world, accum, previous_world)
         if self.rank == 0:
             log.info("training from step %d to %d on %d worker(s), %s; %d pairs kept, %d dropped "

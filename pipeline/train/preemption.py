@@ -107,7 +107,7 @@ class Agreement:
         if local[0] < NO_NOTICE and self.seen_step is None:
             self.seen_step = step
             log.warning("preemption: rank %d got SIGTERM during step %d; the group checkpoints at the next "
-                        "agreed step boundary if it fits in train.preemption_grace_s=%g s", self.rank, step,
+                        "agreed step boundary if it fits in workers.preemption_grace_s=%g s", self.rank, step,
                         self.grace_s)
         if self.world == 1:
             agreed = local

@@ -33,7 +33,7 @@ def step_seed(seed: int, rank: int, step: int) -> int:
 
 @dataclass(frozen=True)
 class FusedOutput:
-    """The output projection fused with the loss (`train.fused_loss`, on GPUs): the model returns its
+    """The output projection fused with the loss (`speed.fused_loss`, on GPUs): the model returns its
     last hidden states and `model.linear_label_smoothed_nll` projects and scores them in chunks, never
     holding the (M, V) logits."""
 

@@ -82,7 +82,7 @@ def collate(rows: np.ndarray, data: IdLists, layout: BatchLayout) -> Batch:
     rounding every micro-batch of a CPU bf16 run has new shapes (docs/benchmarks.md, "Local mode's
     real batches: bf16 kernels per shape").
 
-    `layout.buckets` (GPUs: `train.shape_buckets`) pads the batch to its bucketed shape instead
+    `layout.buckets` (GPUs: `speed.shape_buckets`) pads the batch to its bucketed shape instead
     (`pipeline.plan.shapes`; `row_multiple` is then unused): more rows, each a source of [eos]
     and a decoder input of [bos] with a pad target, more columns, and more computed positions
     (pad positions, as above)."""

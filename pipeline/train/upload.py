@@ -3,7 +3,7 @@
 Ray Train uploads a reported checkpoint with one `pyarrow.fs.copy_files` (whose S3 client
 retries a failed request 3 times within a second or so) and registers it only once the upload has
 returned; an error fails the worker. Here the whole folder is copied again with exponential
-backoff (1 s, 2 s, ... at most 30 s apart) until `train.checkpoint_upload_retry_s` has passed, and
+backoff (1 s, 2 s, ... at most 30 s apart) until `checkpoint.upload_retry_s` has passed, and
 after each copy the sizes in the store are compared with the local files. So an outage delays the
 upload (the loop goes on if the upload is asynchronous) and says so in the log; the checkpoint is
 registered only complete, and a folder an outage leaves half-written is never registered (Ray
@@ -41,9 +41,9 @@ def with_retries(copy: Callable[[], None], what: str, retry_s: float, *, sleep: 
             if elapsed + wait > retry_s:
                 raise CheckpointUploadError(
                     f"{what}: the object store took no complete copy in {attempt} attempt(s) over {elapsed:.0f} s "
-                    f"(train.checkpoint_upload_retry_s={retry_s:g}); last error: {e}") from e
+                    f"(checkpoint.upload_retry_s={retry_s:g}); last error: {e}") from e
             log.warning("checkpoint upload: %s failed (attempt %d: %s); retrying in %.0f s (for up to "
-                        "train.checkpoint_upload_retry_s=%g s); the checkpoint is registered only once complete",
+                        "checkpoint.upload_retry_s=%g s); the checkpoint is registered only once complete",
                         what, attempt, str(e).splitlines()[0][:200], wait, retry_s)
             sleep(wait)
             wait, attempt = min(wait * 2, MAX_WAIT_S), attempt + 1

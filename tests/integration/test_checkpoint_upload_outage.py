@@ -71,14 +71,14 @@ def test_a_store_outage_during_an_upload_delays_it_and_registers_complete_checkp
     proxy = FlakyProxy(int(s3.endpoint.rsplit(":", 1)[1]))
     gate, log = tmp_path / "gate", tmp_path / "driver.log"
     set_gate(gate, 15)
-    overrides = [f"--run.work_dir={s3.uri('wd-upload')}", "--train.num_workers=1", "--train.cpus_per_worker=1",
-                 "--train.use_gpu=false", "--train.precision=fp32", "--model.d_model=32", "--model.d_ff=64",
+    overrides = [f"--run.work_dir={s3.uri('wd-upload')}", "--workers.num_workers=1", "--workers.cpus_per_worker=1",
+                 "--workers.use_gpu=false", "--speed.precision=fp32", "--model.d_model=32", "--model.d_ff=64",
                  "--model.n_heads=2", "--model.n_encoder_layers=1", "--model.n_decoder_layers=1",
                  "--model.max_positions=64", "--train.max_len=32", f"--train.max_steps={MAX_STEPS}",
-                 "--train.warmup_steps=10", "--train.tokens_per_step=300", "--train.max_tokens_per_batch=300",
-                 f"--train.checkpoint_interval_steps={INTERVAL}", f"--train.log_interval_steps={INTERVAL}",
-                 "--train.eval_interval_steps=1000", "--train.checkpoint_upload=async",
-                 "--train.checkpoint_upload_retry_s=120", "--train.max_failures=0"]
+                 "--train.warmup_steps=10", "--train.tokens_per_step=300", "--speed.max_tokens_per_batch=300",
+                 f"--checkpoint.interval_steps={INTERVAL}", f"--metrics.log_interval_steps={INTERVAL}",
+                 "--metrics.val_loss_interval_steps=1000", "--checkpoint.upload=async",
+                 "--checkpoint.upload_retry_s=120", "--workers.max_failures=0"]
     env = {**os.environ, **gate_env(gate), "AWS_ENDPOINT_URL": proxy.endpoint}
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(overrides), s3.uri(f"wd-upload/train/{RUN}"),
                                shards, RUN], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(log, "w"),

@@ -1,4 +1,4 @@
-"""An elastic run (`train.num_workers = [1, 2]`) over two nodes: it shrinks when a node is lost and
+"""An elastic run (`workers.num_workers = [1, 2]`) over two nodes: it shrinks when a node is lost and
 grows back when one joins, and trains the same model, step for step.
 
 Two Ray nodes on this machine, one CPU each (a head with `node_a`, a worker with `node_b`), so each
@@ -68,14 +68,14 @@ print("RESULT " + json.dumps({"outputs": result.outputs,
 
 
 def config(head: RayHead, work_dir: str, workers: str) -> list[str]:
-    return [f"--run.ray_address={head.address}", f"--run.work_dir={work_dir}", f"--train.num_workers={workers}",
-            "--train.elastic_resize_interval_s=2", "--train.cpus_per_worker=1", "--train.use_gpu=false",
-            "--train.precision=fp32", "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2",
+    return [f"--run.ray_address={head.address}", f"--run.work_dir={work_dir}", f"--workers.num_workers={workers}",
+            "--workers.elastic_resize_interval_s=2", "--workers.cpus_per_worker=1", "--workers.use_gpu=false",
+            "--speed.precision=fp32", "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2",
             "--model.n_encoder_layers=1", "--model.n_decoder_layers=1", "--model.max_positions=64",
             "--model.dropout=0", "--train.max_len=32", f"--train.max_steps={MAX_STEPS}", "--train.warmup_steps=10",
-            "--train.tokens_per_step=300", "--train.max_tokens_per_batch=200",
-            f"--train.checkpoint_interval_steps={INTERVAL}", "--train.log_interval_steps=1",
-            "--train.eval_interval_steps=1000", "--train.max_failures=3"]
+            "--train.tokens_per_step=300", "--speed.max_tokens_per_batch=200",
+            f"--checkpoint.interval_steps={INTERVAL}", "--metrics.log_interval_steps=1",
+            "--metrics.val_loss_interval_steps=1000", "--workers.max_failures=3"]
 
 
 def start_driver(tmp: Path, overrides: list[str], run: str, shards: Path, uri: str, run_id: str,
@@ -181,7 +181,7 @@ def test_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_model
                          if p.is_file() and p.suffix in (".out", ".err", ".log"))
         assert re.search(r"elastic: resumed at step 10 on 1 worker\(s\), 2 at the checkpoint: the group shrank", logs)
         assert re.search(r"elastic: resumed at step 20 on 2 worker\(s\), 1 at the checkpoint: the group grew", logs)
-        # Ray 2.60 charges a node lost without a drain notice to train.max_failures (one worker-group
+        # Ray 2.60 charges a node lost without a drain notice to workers.max_failures (one worker-group
         # failure here); the resize back to 2 workers is no failure. Until Ray's health check marks the
         # node dead, the restart may also wait out the worker-group start timeout: a controller retry,
         # charged to no limit. README "On spot or preemptible nodes".

@@ -120,8 +120,8 @@ def submit(head: RayHead, *args: str, timeout_s: float = 420) -> subprocess.Comp
 TINY = ["--config", "configs/local.toml", "--data.max_pairs_per_corpus=300", "--vocab.size=300",
         "--vocab.sample_sentences=1000", "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2",
         "--model.n_encoder_layers=1", "--model.n_decoder_layers=1", "--train.max_steps=10",
-        "--train.warmup_steps=5", "--train.checkpoint_interval_steps=5", "--train.log_interval_steps=5",
-        "--train.eval_interval_steps=10", "--train.keep_checkpoints=2", "--eval.average_last=2",
+        "--train.warmup_steps=5", "--checkpoint.interval_steps=5", "--metrics.log_interval_steps=5",
+        "--metrics.val_loss_interval_steps=10", "--checkpoint.num_to_keep=2", "--eval.average_last=2",
         "--eval.beam_size=2", "--eval.max_len_a=0", "--eval.max_len_b=5", "--eval.max_sentences=20",
         "--eval.dev_bleu=false"]  # dev BLEU while training: test_dev_bleu.py, test_end_to_end.py
 

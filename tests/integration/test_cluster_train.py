@@ -79,13 +79,13 @@ def test_two_node_training_survives_losing_a_node(s3, tmp_path, monkeypatch):
     driver = None
     try:
         overrides = [f"--run.ray_address={head.address}", f"--run.work_dir={s3.uri('train-wd')}",
-                     "--train.num_workers=2", "--train.placement_strategy=STRICT_SPREAD", "--train.use_gpu=false", "--train.precision=fp32",
+                     "--workers.num_workers=2", "--workers.placement_strategy=STRICT_SPREAD", "--workers.use_gpu=false", "--speed.precision=fp32",
                      "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2", "--model.n_encoder_layers=1",
                      "--model.n_decoder_layers=1", "--model.max_positions=64", "--train.max_len=32",
                      f"--train.max_steps={MAX_STEPS}", "--train.warmup_steps=10",
-                     "--train.tokens_per_step=300", "--train.max_tokens_per_batch=300",
-                     f"--train.checkpoint_interval_steps={INTERVAL}", f"--train.log_interval_steps={INTERVAL}",
-                     "--train.eval_interval_steps=1000", "--train.max_failures=3"]
+                     "--train.tokens_per_step=300", "--speed.max_tokens_per_batch=300",
+                     f"--checkpoint.interval_steps={INTERVAL}", f"--metrics.log_interval_steps={INTERVAL}",
+                     "--metrics.val_loss_interval_steps=1000", "--workers.max_failures=3"]
         driver = subprocess.Popen(
             [sys.executable, "-c", DRIVER, json.dumps(overrides), s3.uri(f"train-wd/train/{RUN}"), shards,
              str(REPO), RUN], cwd=REPO, stdout=subprocess.PIPE, stderr=open(tmp_path / "driver.log", "w"),

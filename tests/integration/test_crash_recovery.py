@@ -32,8 +32,8 @@ TOY = [
     "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2", "--model.n_encoder_layers=1",
     "--model.n_decoder_layers=1", "--model.max_positions=256",
     "--train.max_steps=24", "--train.warmup_steps=8", "--train.tokens_per_step=1500",
-    "--train.max_tokens_per_batch=1500", "--train.checkpoint_interval_steps=8",
-    "--train.eval_interval_steps=12", "--train.log_interval_steps=4", "--train.keep_checkpoints=2",
+    "--speed.max_tokens_per_batch=1500", "--checkpoint.interval_steps=8",
+    "--metrics.val_loss_interval_steps=12", "--metrics.log_interval_steps=4", "--checkpoint.num_to_keep=2",
     "--eval.average_last=2",
     # no dev-BLEU task per checkpoint: dev BLEU while training is test_dev_bleu.py's; here, the
     # kills and the resume

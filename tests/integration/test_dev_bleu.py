@@ -28,10 +28,10 @@ SENTENCES = 60
 DATA = ["--config", "configs/local.toml", "--data.max_pairs_per_corpus=1500", "--data.num_shards=2",
         "--vocab.size=600", "--vocab.sample_sentences=6000"]
 TRAIN = ["--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2", "--model.n_encoder_layers=1",
-         "--model.n_decoder_layers=1", "--model.max_positions=256", "--train.num_workers=1", "--train.precision=fp32",
+         "--model.n_decoder_layers=1", "--model.max_positions=256", "--workers.num_workers=1", "--speed.precision=fp32",
          "--train.max_steps=200", "--train.warmup_steps=100", "--train.tokens_per_step=1500",
-         "--train.max_tokens_per_batch=1500", "--train.checkpoint_interval_steps=40",
-         "--train.eval_interval_steps=40", "--train.log_interval_steps=10", "--train.keep_checkpoints=10",
+         "--speed.max_tokens_per_batch=1500", "--checkpoint.interval_steps=40",
+         "--metrics.val_loss_interval_steps=40", "--metrics.log_interval_steps=10", "--checkpoint.num_to_keep=10",
          "--eval.average_last=2", f"--eval.dev_bleu_sentences={SENTENCES}", "--eval.dev_bleu_resources=CPU=0",
          # Greedy CTranslate2 in float32 decodes exactly as our search does (tests/integration/test_export.py),
          # so the translate CLI (our search) must reproduce every logged number.

@@ -16,10 +16,10 @@ TINY = [
     "--vocab.size=600", "--vocab.sample_sentences=6000",
     "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2",
     "--model.n_encoder_layers=1", "--model.n_decoder_layers=1", "--model.max_positions=256",
-    "--train.num_workers=1", "--train.use_gpu=false", "--train.precision=fp32",
+    "--workers.num_workers=1", "--workers.use_gpu=false", "--speed.precision=fp32",
     "--train.max_steps=24", "--train.warmup_steps=8", "--train.tokens_per_step=1500",
-    "--train.max_tokens_per_batch=1500", "--train.checkpoint_interval_steps=8",
-    "--train.eval_interval_steps=12", "--train.log_interval_steps=4", "--train.keep_checkpoints=2",
+    "--speed.max_tokens_per_batch=1500", "--checkpoint.interval_steps=8",
+    "--metrics.val_loss_interval_steps=12", "--metrics.log_interval_steps=4", "--checkpoint.num_to_keep=2",
     "--eval.average_last=2", "--eval.beam_size=2", "--eval.num_workers=1", "--eval.use_gpu=false",
     "--eval.max_sentences=200", "--eval.max_len_b=20",
 ]

@@ -17,10 +17,10 @@ from workflows import reproduce_base
 
 SMALL = [
     "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2", "--model.n_encoder_layers=1",
-    "--model.n_decoder_layers=1", "--vocab.size=1000", "--train.precision=fp32",
+    "--model.n_decoder_layers=1", "--vocab.size=1000", "--speed.precision=fp32",
     "--train.max_steps=24", "--train.warmup_steps=8", "--train.lr_scale=1.0", "--train.tokens_per_step=1500",
-    "--train.max_tokens_per_batch=1500", "--train.checkpoint_interval_steps=12", "--train.eval_interval_steps=12",
-    "--train.log_interval_steps=4", "--train.keep_checkpoints=2", "--eval.average_last=2", "--eval.beam_size=2",
+    "--speed.max_tokens_per_batch=1500", "--checkpoint.interval_steps=12", "--metrics.val_loss_interval_steps=12",
+    "--metrics.log_interval_steps=4", "--checkpoint.num_to_keep=2", "--eval.average_last=2", "--eval.beam_size=2",
     "--eval.max_sentences=100", "--eval.dev_bleu_sentences=100", "--eval.attention_sentences=2",
     "--eval.max_len_b=10",
 ]

@@ -73,7 +73,7 @@ def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_di
     head = RayHead(tmp_path, num_cpus=1)
     worker = head.add_worker(num_cpus=1)
     common = ["--config", "configs/local.toml", f"--run.work_dir={work}", f"--data.mirror={mirror_dir}",
-              f"--run.ray_address={head.address}", "--train.cpus_per_worker=1", *SIZES]
+              f"--run.ray_address={head.address}", "--workers.cpus_per_worker=1", *SIZES]
     argv = ["--rows", "B1,E", "--max-concurrent-rows", "2", *common]
     try:
         rc = drive(argv, "E", tmp_path / "driver-1.log")

@@ -35,8 +35,8 @@ def spec_for(shards: Path, uri: str, run_id: str, max_steps: int, work_dir: Path
     cfg = Config()
     cfg.run.work_dir = str(work_dir)  # the spool: <work_dir>/ray_train/tracking_spool
     t = cfg.train
-    t.max_steps, t.tokens_per_step, t.max_tokens_per_batch, t.warmup_steps = max_steps, 400, 400, 8
-    t.log_interval_steps, t.eval_interval_steps, t.checkpoint_interval_steps = 2, 10**6, 10**6
+    t.max_steps, t.tokens_per_step, cfg.speed.max_tokens_per_batch, t.warmup_steps = max_steps, 400, 400, 8
+    cfg.metrics.log_interval_steps, cfg.metrics.val_loss_interval_steps, cfg.checkpoint.interval_steps = 2, 10**6, 10**6
     mc = ModelConfig(vocab_size=VOCAB, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1,
                      n_decoder_layers=1, dropout=0.1)
     return LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(shards),

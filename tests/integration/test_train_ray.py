@@ -42,12 +42,13 @@ def make_config(work_dir: Path, **train_overrides) -> Config:
     cfg = Config()
     cfg.model.d_model, cfg.model.d_ff, cfg.model.n_heads = 32, 64, 2
     cfg.model.n_encoder_layers = cfg.model.n_decoder_layers = 1
-    t = cfg.train
-    t.num_workers, t.use_gpu, t.max_failures = 2, False, 1
-    t.max_steps, t.tokens_per_step, t.max_tokens_per_batch, t.warmup_steps = 30, 1000, 400, 10
-    t.log_interval_steps, t.eval_interval_steps, t.checkpoint_interval_steps = 5, 10, 10
-    t.keep_checkpoints = 2
+    t, w = cfg.train, cfg.workers
+    w.num_workers, w.use_gpu, w.max_failures = 2, False, 1
+    t.max_steps, t.tokens_per_step, cfg.speed.max_tokens_per_batch, t.warmup_steps = 30, 1000, 400, 10
+    cfg.metrics.log_interval_steps, cfg.metrics.val_loss_interval_steps, cfg.checkpoint.interval_steps = 5, 10, 10
+    cfg.checkpoint.num_to_keep = 2
     for k, v in train_overrides.items():
+        assert hasattr(t, k), f"train.{k}"
         setattr(t, k, v)
     cfg.eval.average_last = 2
     cfg.run.work_dir = str(work_dir)
@@ -110,7 +111,7 @@ def test_two_workers_train_checkpoint_and_log(baseline):
     artifacts = {a.path for a in client.list_artifacts(run_id, "plots")}
     assert artifacts == {"plots/loss.png", "plots/lr.png"}
     assert result.metrics["val/final_ppl"] > 1.0
-    # train.precision = "auto": the workers' choice (bf16 on a CPU with AVX512-BF16/AMX, else fp32),
+    # speed.precision = "auto": the workers' choice (bf16 on a CPU with AVX512-BF16/AMX, else fp32),
     # in the outputs and as a tag of the run.
     expected = "bf16" if cpu_bf16_features() else "fp32"
     assert out["precision"] == expected
@@ -150,7 +151,7 @@ def test_worker_dying_mid_upload_resumes_from_the_previous_complete_checkpoint(r
     for k, v in faults.env(20, tmp_path / "died", "upload").items():
         monkeypatch.setenv(k, v)
     cfg = make_config(tmp_path)
-    assert cfg.train.checkpoint_upload == "async"
+    assert cfg.checkpoint.upload == "async"
     result = train.run(make_context(cfg, "upload", shards))
     assert (tmp_path / "died").read_text() == "20"
     out = result.outputs

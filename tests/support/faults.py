@@ -86,7 +86,7 @@ def _dying_upload(checkpoint: Any, dir_name: str) -> Any:
     pafs.copy_files(f"{checkpoint.path}/{train_checkpoint.MODEL_FILE}", f"{dest}/{train_checkpoint.MODEL_FILE}",
                     source_filesystem=checkpoint.filesystem, destination_filesystem=st.storage_filesystem)
     # An upload in progress for a while: Ray Train's controller registers each reported checkpoint
-    # at its next poll of the workers (every 2 s at most: train.controller_poll_s; 0.5 s in the suite), so the
+    # at its next poll of the workers (every 2 s at most: workers.controller_poll_s; 0.5 s in the suite), so the
     # previous one is registered by the time this worker dies.
     time.sleep(5)
     log.warning("fault injection: worker dies during the upload of %s", dir_name)

@@ -132,9 +132,8 @@ def trace(root: Path) -> dict:
     try:
         splits = encode_multi30k(root / "data")
         cfg = load_config(RECIPE)
-        t = cfg.train
-        t.max_steps, t.log_interval_steps, t.precision = TRAIN_STEPS, 1, "fp32"
-        t.eval_interval_steps = t.checkpoint_interval_steps = TRAIN_STEPS
+        cfg.train.max_steps, cfg.metrics.log_interval_steps, cfg.speed.precision = TRAIN_STEPS, 1, "fp32"
+        cfg.metrics.val_loss_interval_steps = cfg.checkpoint.interval_steps = TRAIN_STEPS
         cfg.eval.dev_bleu = False
         mc = ModelConfig(vocab_size=8000, d_model=cfg.model.d_model, d_ff=cfg.model.d_ff, n_heads=cfg.model.n_heads,
                          n_encoder_layers=cfg.model.n_encoder_layers, n_decoder_layers=cfg.model.n_decoder_layers,

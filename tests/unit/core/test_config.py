@@ -8,7 +8,7 @@ from pipeline.config import Config, ConfigError, from_dict, load_config
 from pipeline.dag import ORDER
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
-CONFIGS = sorted([*CONFIG_DIR.glob("*.toml"), *CONFIG_DIR.glob("table3/*.toml")])
+CONFIGS = sorted([*CONFIG_DIR.glob("*.toml"), *CONFIG_DIR.glob("peer/*.toml"), *CONFIG_DIR.glob("table3/*.toml")])
 
 
 def test_configs_folder_is_not_empty():
@@ -25,8 +25,8 @@ def test_every_shipped_config_loads_and_plans(path, tmp_path):
     cfg.run.work_dir, cfg.run.storage_path = str(tmp_path), ""  # plan against an empty local work dir
     assert [p.action for p in make_plan(cfg)] == ["run"] * len(ORDER)
     # The device is found, not configured (DESIGN.md): a GPU when Ray sees one, the CPUs otherwise.
-    assert (cfg.train.use_gpu, cfg.eval.use_gpu) == ("auto", "auto")
-    assert cfg.train.compile == cfg.train.shape_buckets == cfg.train.fused_loss == "auto"
+    assert (cfg.workers.use_gpu, cfg.eval.use_gpu) == ("auto", "auto")
+    assert cfg.speed.compile == cfg.speed.shape_buckets == cfg.speed.fused_loss == "auto"
 
 
 def test_table2_configs_are_the_papers_rows():
@@ -34,8 +34,8 @@ def test_table2_configs_are_the_papers_rows():
     big, fr_base, fr_big = (load_config(CONFIG_DIR / f) for f in ("big.toml", "enfr-base.toml", "enfr-big.toml"))
     for cfg in (big, fr_big):
         assert (cfg.model.d_model, cfg.model.d_ff, cfg.model.n_heads) == (1024, 4096, 16)
-        assert (cfg.train.max_steps, cfg.train.checkpoint_interval_s) == (300_000, 600.0)
-        assert cfg.eval.average_last == 20 and cfg.train.keep_checkpoints >= 20
+        assert (cfg.train.max_steps, cfg.checkpoint.interval_s) == (300_000, 600.0)
+        assert cfg.eval.average_last == 20 and cfg.checkpoint.num_to_keep >= 20
     assert big.model.dropout == 0.3 and fr_big.model.dropout == 0.1
     assert (fr_base.model.d_model, fr_base.model.dropout, fr_base.eval.average_last) == (512, 0.1, 5)
     for cfg in (fr_base, fr_big):
@@ -67,9 +67,9 @@ def test_defaults_are_the_papers_recipe():
 def test_override_beats_file_beats_default(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("[train]\nmax_steps = 10\nwarmup_steps = 7\n")
-    cfg = load_config(f, ["--train.max_steps=20", "--eval.splits=test,dev", "--train.use_gpu=false"])
-    assert cfg.train.max_steps == 20 and cfg.train.warmup_steps == 7 and cfg.train.log_interval_steps == 100
-    assert cfg.eval.splits == ["test", "dev"] and cfg.train.use_gpu is False
+    cfg = load_config(f, ["--train.max_steps=20", "--eval.splits=test,dev", "--workers.use_gpu=false"])
+    assert cfg.train.max_steps == 20 and cfg.train.warmup_steps == 7 and cfg.metrics.log_interval_steps == 100
+    assert cfg.eval.splits == ["test", "dev"] and cfg.workers.use_gpu is False
 
 
 @pytest.mark.parametrize("text, key", [
@@ -77,11 +77,11 @@ def test_override_beats_file_beats_default(tmp_path):
     ("[trian]\nmax_steps = 1\n", "trian"),
     ("[train]\nmax_steps = 'ten'\n", "train.max_steps"),
     ("[train]\nmax_steps = 1.5\n", "train.max_steps"),
-    ("[train]\nuse_gpu = 1\n", "train.use_gpu"),
+    ("[workers]\nuse_gpu = 1\n", "workers.use_gpu"),
     ("[model]\nd_model = 100\nn_heads = 8\n", "model.d_model"),
-    ("[train]\nprecision = 'fp8'\n", "train.precision"),
+    ("[speed]\nprecision = 'fp8'\n", "speed.precision"),
     ("[eval]\nsplits = ['valid']\n", "eval.splits"),
-    ("[eval]\naverage_last = 9\n", "train.keep_checkpoints"),
+    ("[eval]\naverage_last = 9\n", "checkpoint.num_to_keep"),
     ("[data]\nsource = 'custom'\n", "data.train_src"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, key):
@@ -131,9 +131,9 @@ def test_fixed_set_fields_are_literals_checked_from_their_annotations():
     import re
 
     found = {f"{s}.{k}" for s, k, _ in _literal_fields()}
-    assert found >= {"data.source", "data.preprocess", "vocab.model_type", "model.positional", "train.precision",
+    assert found >= {"data.source", "data.preprocess", "vocab.model_type", "model.positional", "speed.precision",
                      "train.early_stop_metric", "eval.backend", "eval.ct2_quantization", "eval.dev_bleu_engine",
-                     "eval.dev_bleu_quantization", "eval.average_select", "train.placement_strategy"}
+                     "eval.dev_bleu_quantization", "eval.average_select", "workers.placement_strategy"}
     for section, key, choices in _literal_fields():
         want = re.escape(f"{section}.{key}: 'bogus' is not allowed (allowed: {', '.join(map(repr, choices))})")
         with pytest.raises(ConfigError, match=want):
@@ -163,3 +163,46 @@ def test_model_section_is_model_sizes_and_none_is_keyed_as_zero():
         load_config(None, ["--model.d_k=0"])
     mc = model_config_for(cfg, {"vocab_size": 100, "pad_id": 1, "bos_id": 5, "eos_id": 7})
     assert mc == ModelConfig(vocab_size=100, pad_id=1, bos_id=5, eos_id=7, d_k=16)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[train]\nprecision = "bf16"\n', "train.precision is now speed.precision"),
+    ("[train]\nnum_workers = 2\n", "train.num_workers is now workers.num_workers"),
+    ("[train]\nkeep_checkpoints = 5\n", "train.keep_checkpoints is now checkpoint.num_to_keep"),
+    ("[train]\neval_interval_steps = 10\n", "train.eval_interval_steps is now metrics.val_loss_interval_steps"),
+    ('[train]\ngpu_type = "H100"\n', "train.gpu_type is now plan.gpu_type"),
+])
+def test_an_old_key_in_a_file_names_its_new_key(tmp_path, text, message):
+    f = tmp_path / "old.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(f)
+
+
+def test_every_moved_key_is_refused_from_files_overrides_and_dicts(tmp_path):
+    """Nothing is ignored: each old spelling is an error naming the new key, which exists."""
+    from pipeline.config import MOVED_KEYS
+
+    defaults = Config().to_dict()
+    assert len(MOVED_KEYS) == 28
+    for old, new in MOVED_KEYS.items():
+        section, key = new.split(".")
+        assert key in defaults[section], new
+        assert old.split(".")[1] not in defaults["train"], old
+        value = defaults[section][key]
+        want = f"{old} is now {new}".replace(".", r"\.")
+        with pytest.raises(ConfigError, match=want):
+            load_config(None, [f"--{old}={value if not isinstance(value, list) else ','.join(map(str, value))}"])
+        with pytest.raises(ConfigError, match=want):
+            from_dict({"train": {old.split(".")[1]: value}})
+        assert getattr(getattr(load_config(None, [f"--{new}={value}"]), section), key) == value
+
+
+def test_only_train_and_model_make_the_train_key():
+    """The sections beside [train] are operational: none of their fields is cache material."""
+    cfg = Config()
+    for section in ("speed", "workers", "checkpoint", "metrics", "plan", "run", "tracking"):
+        assert cfg.section_for_cache(section) == {}, section
+    assert set(cfg.section_for_cache("train")) == {
+        "tokens_per_step", "max_steps", "warmup_steps", "lr_scale", "label_smoothing", "adam_beta1", "adam_beta2",
+        "adam_eps", "clip_norm", "max_len", "seed"}

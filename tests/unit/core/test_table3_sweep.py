@@ -113,10 +113,10 @@ def test_the_figure_is_a_png_of_the_rows(tmp_path):
 
 
 @pytest.mark.parametrize(("nodes", "overrides", "fits"), [
-    ([{"CPU": 16, "GPU": 8}] * 4, ["--train.use_gpu=true", "--train.num_workers=8"], 4),
-    ([{"CPU": 16, "GPU": 8}] * 4, ["--train.use_gpu=true", "range"], 2),  # [4, 16]: counted at its max
-    ([{"CPU": 2}, {"CPU": 2}], ["--train.num_workers=1"], 2),  # CPU auto: a node's CPUs per worker
-    ([{"CPU": 2}, {"CPU": 2}], ["--train.num_workers=1", "--train.cpus_per_worker=1"], 4),
+    ([{"CPU": 16, "GPU": 8}] * 4, ["--workers.use_gpu=true", "--workers.num_workers=8"], 4),
+    ([{"CPU": 16, "GPU": 8}] * 4, ["--workers.use_gpu=true", "range"], 2),  # [4, 16]: counted at its max
+    ([{"CPU": 2}, {"CPU": 2}], ["--workers.num_workers=1"], 2),  # CPU auto: a node's CPUs per worker
+    ([{"CPU": 2}, {"CPU": 2}], ["--workers.num_workers=1", "--workers.cpus_per_worker=1"], 4),
 ])
 def test_default_concurrency_reads_the_cluster(tmp_path, monkeypatch, nodes, overrides, fits):
     import ray
@@ -124,7 +124,7 @@ def test_default_concurrency_reads_the_cluster(tmp_path, monkeypatch, nodes, ove
     recipe = list(LOCAL)
     if "range" in overrides:
         overrides = [o for o in overrides if o != "range"]
-        (tmp_path / "range.toml").write_text("[train]\nnum_workers = [4, 16]\n")
+        (tmp_path / "range.toml").write_text("[workers]\nnum_workers = [4, 16]\n")
         recipe.append(str(tmp_path / "range.toml"))
 
     alive = [{"Alive": True, "Resources": n} for n in nodes] + [{"Alive": False, "Resources": {"CPU": 64}}]

@@ -112,10 +112,10 @@ def test_greedy_ctranslate2_scores_hold_for_any_alpha_ours_do_not(tmp_path):
 
 def test_plan_refuses_a_run_that_cannot_make_the_averaged_checkpoints(tmp_path, capsys):
     args = ["--config", "configs/local.toml", f"--run.work_dir={tmp_path}", "--train.max_steps=400",
-            "--train.checkpoint_interval_steps=100", "--eval.average_last=5", "--train.keep_checkpoints=5", "--plan"]
+            "--checkpoint.interval_steps=100", "--eval.average_last=5", "--checkpoint.num_to_keep=5", "--plan"]
     assert reproduce_base.main(args) == 2
     err = capsys.readouterr().err
-    for key in ("train.max_steps = 400", "train.checkpoint_interval_steps = 100", "writes 4 checkpoint(s)",
+    for key in ("train.max_steps = 400", "checkpoint.interval_steps = 100", "writes 4 checkpoint(s)",
                 "eval.average_last = 5"):
         assert key in err, err
     assert reproduce_base.main(args[:-1] + ["--eval.average_last=4", "--plan"]) == 0

@@ -91,8 +91,8 @@ def _number(text: str, pattern: str) -> float:
 
 
 def test_the_printed_hours_follow_from_the_printed_inputs():
-    cfg = load_config(None, ["--train.num_workers=8", "--train.gpu_type=H100", "--train.assumed_mfu=0.25",
-                             "--train.max_steps=1000", "--train.tokens_per_step=3000", "--train.max_tokens_per_batch=2000",
+    cfg = load_config(None, ["--workers.num_workers=8", "--plan.gpu_type=H100", "--plan.assumed_mfu=0.25",
+                             "--train.max_steps=1000", "--train.tokens_per_step=3000", "--speed.max_tokens_per_batch=2000",
                              "--model.d_model=64", "--model.d_ff=128", "--model.n_heads=2", "--vocab.size=500"])
     mc = ModelConfig(vocab_size=500, d_model=64, d_ff=128, n_heads=2)
     text = bill.make_bill(cfg, mc).format()
@@ -133,7 +133,7 @@ def test_mfu_from_a_gpu_check_json(tmp_path):
     assert mfu == 0.20 and any("overestimate" in n for n in notes) and any("applied to A100" in n for n in notes)
     with pytest.raises(ConfigError, match="no finished train row"):
         bill.mfu_from_gpu_check(older, ModelConfig.big(37000), compiled=False, gpu_type="H200")
-    with pytest.raises(ConfigError, match="train.gpu_type = 'P100'"):
+    with pytest.raises(ConfigError, match="plan.gpu_type = 'P100'"):
         bill.peak_for("P100")
 
 
@@ -149,8 +149,8 @@ def test_model_size_is_base_or_big_by_width():
 
 def test_plan_bills_with_the_cached_encode_stage_and_the_run_logs_it(tmp_path):
     cfg = load_config(None, [f"--run.work_dir={tmp_path / 'work'}", "--train.max_steps=100",
-                             "--train.tokens_per_step=500", "--train.max_tokens_per_batch=400", "--train.num_workers=2",
-                             "--train.checkpoint_interval_steps=20",
+                             "--train.tokens_per_step=500", "--speed.max_tokens_per_batch=400", "--workers.num_workers=2",
+                             "--checkpoint.interval_steps=20",
                              "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2"])
     train_dir = write_reverse_task(tmp_path / "train", 400, 64, seed=0, length_jitter=3)
     plans = make_plan(cfg)
@@ -209,7 +209,7 @@ def test_an_eager_bill_is_bounded_by_the_host_and_prints_how():
     """The Multi30k tiny recipe, eager: seconds of math at the assumed MFU, minutes measured
     (docs/benchmarks.md, "The bill's host floor"); the bill's hours are its host floor, computed from
     the printed figures."""
-    cfg = load_config(["configs/multi30k-tiny.toml"], ["--train.compile=false"])
+    cfg = load_config(["configs/multi30k-tiny.toml"], ["--speed.compile=false"])
     mc = ModelConfig(vocab_size=8000, d_model=128, d_ff=256, n_heads=4, n_encoder_layers=4, n_decoder_layers=4,
                      dropout=0.3)
     b = bill.make_bill(cfg, mc)
@@ -224,5 +224,5 @@ def test_an_eager_bill_is_bounded_by_the_host_and_prints_how():
     assert _number(text, r"hours +max\(compute, host floor\) = .* = ([0-9.e+-]+) h") == pytest.approx(host, rel=1e-3)
     assert "(host-bound)" in text and b.hours == b.host_hours
     assert 6 * 60 < b.hours * 3600 < 12 * 60  # the measured ~9 min, within what its causes explain
-    compiled = bill.make_bill(load_config(["configs/multi30k-tiny.toml"], ["--train.compile=true"]), mc)
+    compiled = bill.make_bill(load_config(["configs/multi30k-tiny.toml"], ["--speed.compile=true"]), mc)
     assert compiled.hours == compiled.compute_hours and "host floor is not measured" in compiled.format()

@@ -1,4 +1,4 @@
-"""train.compile = true on this CPU: over 150 real token-bucketed steps (the loop's own
+"""speed.compile = true on this CPU: over 150 real token-bucketed steps (the loop's own
 plan, split and collate, source and target lengths that differ) the graphs torch.compile builds
 stay few and stop growing after the first step and the first validation; losses equal eager's.
 
@@ -49,12 +49,12 @@ def trainer(shards, tmp: Path, precision: str, backend: str | None, max_steps: i
             dropout: float = 0.1, gpu_recipe: bool = False, cpu_kernels: bool = True) -> Trainer:
     """`gpu_recipe`: what "auto" turns on on a GPU, here on the CPU: shape buckets and the fused loss."""
     cfg = Config()
-    t = cfg.train
-    t.shape_buckets = t.fused_loss = gpu_recipe
-    t.max_steps, t.tokens_per_step, t.max_tokens_per_batch, t.warmup_steps = max_steps, 600, 400, 20
-    t.log_interval_steps, t.checkpoint_interval_steps = 1, 10**6
-    t.eval_interval_steps = eval_every or 10**6
-    t.precision, t.compile, t.compile_backend = precision, backend is not None, backend or "inductor"
+    t, s = cfg.train, cfg.speed
+    s.shape_buckets = s.fused_loss = gpu_recipe
+    t.max_steps, t.tokens_per_step, s.max_tokens_per_batch, t.warmup_steps = max_steps, 600, 400, 20
+    cfg.metrics.log_interval_steps, cfg.checkpoint.interval_steps = 1, 10**6
+    cfg.metrics.val_loss_interval_steps = eval_every or 10**6
+    s.precision, s.compile, s.compile_backend = precision, backend is not None, backend or "inductor"
     mc = ModelConfig(vocab_size=VOCAB, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
                      dropout=dropout)
     spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(shards[0]),

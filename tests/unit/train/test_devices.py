@@ -19,7 +19,7 @@ from tests.unit.train.test_loop import shards, tiny_spec  # noqa: F401 (a fixtur
 
 
 def test_use_gpus_auto_true_false():
-    assert use_gpus("auto", 1, "train.use_gpu") and not use_gpus("auto", 0, "train.use_gpu")
+    assert use_gpus("auto", 1, "workers.use_gpu") and not use_gpus("auto", 0, "workers.use_gpu")
     assert use_gpus(True, 8, "eval.use_gpu") and not use_gpus(False, 8, "eval.use_gpu")
     with pytest.raises(ConfigError, match=r"eval.use_gpu = true but the Ray cluster has no GPU.*\"auto\""):
         use_gpus(True, 0, "eval.use_gpu")
@@ -31,13 +31,13 @@ def test_on_for_is_on_for_cuda_only_when_auto():
 
 
 def test_config_takes_auto_or_a_boolean_and_names_the_key_otherwise():
-    cfg = load_config(None, ["--train.use_gpu=auto", "--eval.use_gpu=false", "--train.compile=true"])
-    assert (cfg.train.use_gpu, cfg.eval.use_gpu, cfg.train.compile, cfg.train.shape_buckets) == ("auto", False, True,
+    cfg = load_config(None, ["--workers.use_gpu=auto", "--eval.use_gpu=false", "--speed.compile=true"])
+    assert (cfg.workers.use_gpu, cfg.eval.use_gpu, cfg.speed.compile, cfg.speed.shape_buckets) == ("auto", False, True,
                                                                                                   "auto")
-    with pytest.raises(ConfigError, match="train.shape_buckets"):
-        load_config(None, ["--train.shape_buckets=sometimes"])
-    with pytest.raises(ConfigError, match="train.attention_backend"):
-        load_config(None, ["--train.attention_backend=fastest"])
+    with pytest.raises(ConfigError, match="speed.shape_buckets"):
+        load_config(None, ["--speed.shape_buckets=sometimes"])
+    with pytest.raises(ConfigError, match="speed.attention_backend"):
+        load_config(None, ["--speed.attention_backend=fastest"])
 
 
 def test_attention_context_on_a_cpu():
@@ -66,7 +66,7 @@ def test_fastest_times_each_backend_first_with_its_fallbacks():
 
 def test_the_fused_loss_trains_as_the_plain_projection(shards, tmp_path):  # noqa: F811
     def run(name, fused):
-        return train_worker(tiny_spec(shards, max_steps=6, fused_loss=fused), LocalSession(tmp_path / name))
+        return train_worker(tiny_spec(shards, max_steps=6, speed_fused_loss=fused), LocalSession(tmp_path / name))
     plain, fused = run("plain", False), run("fused", True)
     np.testing.assert_allclose([h[1] for h in fused["history_train"]], [h[1] for h in plain["history_train"]],
                                rtol=1e-5)
@@ -74,5 +74,5 @@ def test_the_fused_loss_trains_as_the_plain_projection(shards, tmp_path):  # noq
 
 def test_auto_settings_stay_off_on_a_cpu(shards, tmp_path):  # noqa: F811
     trainer = Trainer(LoopSpec(**tiny_spec(shards)), LocalSession(tmp_path))
-    assert trainer.tc.compile == trainer.tc.shape_buckets == trainer.tc.fused_loss == "auto"
+    assert trainer.speed.compile == trainer.speed.shape_buckets == trainer.speed.fused_loss == "auto"
     assert trainer.device_setup.compiler is None and trainer.loss_settings.fused_output is None

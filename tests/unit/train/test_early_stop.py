@@ -60,8 +60,8 @@ def write_records(folder, values, every=4):
 
 
 def dev_bleu_spec(shards, records, **train):
-    train = {"max_steps": 40, "checkpoint_interval_steps": 4, "eval_interval_steps": 100, "keep_checkpoints": 10,
-             "early_stop_patience": 3, "early_stop_metric": "dev_bleu", **train}
+    train = {"max_steps": 40, "checkpoint_interval_steps": 4, "metrics_val_loss_interval_steps": 100,
+             "checkpoint_num_to_keep": 10, "early_stop_patience": 3, "early_stop_metric": "dev_bleu", **train}
     spec = tiny_spec(shards, **train)
     spec["dev_bleu_dir"] = str(records)
     return spec
@@ -106,7 +106,7 @@ def test_val_loss_stops_between_checkpoints_with_a_checkpoint_of_its_own(shards,
 
     monkeypatch.setattr(DevLoss, "__call__", scripted)
     session = LocalSession(tmp_path)
-    out = train_worker(tiny_spec(shards, max_steps=40, eval_interval_steps=2, checkpoint_interval_steps=4,
+    out = train_worker(tiny_spec(shards, max_steps=40, metrics_val_loss_interval_steps=2, checkpoint_interval_steps=4,
                                  early_stop_patience=3, early_stop_metric="val_loss"), session)
     assert out["final_step"] == 10 and out["early_stop"]["best_step"] == 4
     assert session.checkpoints()[-1].name == train_checkpoint.checkpoint_dir_name(10)
@@ -127,8 +127,8 @@ def test_patience_is_in_the_train_key_only_when_set():
     assert on["train"] != base["train"] and on["vocab"] == base["vocab"]
 
 
-def plan_cfg(**train) -> Config:
-    cfg = load_config(None, [f"--train.{k}={v}" for k, v in train.items()])
+def plan_cfg(*overrides: str, **train) -> Config:
+    cfg = load_config(None, [*overrides, *(f"--train.{k}={v}" for k, v in train.items())])
     return cfg
 
 
@@ -136,12 +136,12 @@ def test_plan_refuses_a_patience_that_can_leave_average_short():
     # val_loss: the earliest stop is (2 + 1) x 1000 = step 3000, 3 checkpoints < average_last 5
     with pytest.raises(ConfigError, match="train.early_stop_patience = 2"):
         plan_check(plan_cfg(early_stop_patience=2, early_stop_metric="val_loss"))
-    assert early_stop_check(plan_cfg(early_stop_patience=2, early_stop_metric="val_loss",
-                                     checkpoint_interval_steps=500)) is None  # 6 checkpoints by step 3000
+    assert early_stop_check(plan_cfg("--checkpoint.interval_steps=500", early_stop_patience=2,
+                                     early_stop_metric="val_loss")) is None  # 6 checkpoints by step 3000
     with pytest.raises(ConfigError, match="dev_bleu"):
         plan_check(plan_cfg(early_stop_patience=3))  # 4 validated checkpoints < 5
     note = plan_check(plan_cfg(early_stop_patience=10))
-    assert "rotated out" in note and "train.keep_checkpoints = 5" in note
+    assert "rotated out" in note and "checkpoint.num_to_keep = 5" in note
     assert plan_check(plan_cfg(early_stop_patience=4)) is None
 
 

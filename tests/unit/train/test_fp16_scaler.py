@@ -1,4 +1,4 @@
-"""The fp16 path (`train.precision = "fp16"`, GPUs without bf16: V100, T4) on this CPU: torch has
+"""The fp16 path (`speed.precision = "fp16"`, GPUs without bf16: V100, T4) on this CPU: torch has
 fp16 autocast and a GradScaler for the CPU device. The config check refuses fp16 on CPUs for users,
 so this drives the loop's step and checkpoint code directly: losses close to fp32, an overflowing
 step skipped with the scale lowered, the scaler's state saved in the checkpoint and a resumed run

@@ -35,16 +35,21 @@ def shards(tmp_path_factory) -> tuple[Path, Path]:
             write_reverse_task(root / "dev", 40, VOCAB, seed=1))
 
 
-def tiny_spec(shards, **train) -> dict:
+def tiny_spec(shards, **settings) -> dict:
+    """A tiny model's LoopSpec; `settings`: a train field by name (``max_steps=6``), any other
+    section's as ``<section>_<field>`` (``speed_precision="auto"``, ``checkpoint_interval_steps=5``)."""
     cfg = Config()
     cfg.model.d_model, cfg.model.d_ff, cfg.model.n_heads = 32, 64, 2
     cfg.model.n_encoder_layers = cfg.model.n_decoder_layers = 1
     t = cfg.train
-    t.max_steps, t.tokens_per_step, t.max_tokens_per_batch, t.warmup_steps = 12, 500, 200, 8
-    t.log_interval_steps, t.eval_interval_steps, t.checkpoint_interval_steps = 1, 6, 4
-    t.precision = "fp32"  # these tests check the loop's arithmetic; bf16 is tests/unit/train/test_precision.py
-    for k, v in train.items():
-        setattr(t, k, v)
+    t.max_steps, t.tokens_per_step, cfg.speed.max_tokens_per_batch, t.warmup_steps = 12, 500, 200, 8
+    cfg.metrics.log_interval_steps, cfg.metrics.val_loss_interval_steps, cfg.checkpoint.interval_steps = 1, 6, 4
+    cfg.speed.precision = "fp32"  # these tests check the loop's arithmetic; bf16 is tests/unit/train/test_precision.py
+    for k, v in settings.items():
+        section = next((s for s in ("speed", "workers", "checkpoint", "metrics") if k.startswith(f"{s}_")), "train")
+        name = k if section == "train" else k[len(section) + 1:]
+        assert hasattr(getattr(cfg, section), name), f"tiny_spec: no {section}.{name}"
+        setattr(getattr(cfg, section), name, v)
     mc = ModelConfig(vocab_size=VOCAB, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1,
                      n_decoder_layers=1, dropout=0.1)
     return LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(shards[0]),

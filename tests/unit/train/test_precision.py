@@ -1,4 +1,4 @@
-"""train.precision: "auto" picks bf16 where the device does it natively, fp32 otherwise; "bf16" on a
+"""speed.precision: "auto" picks bf16 where the device does it natively, fp32 otherwise; "bf16" on a
 CPU without it is an error naming the key; a bf16 CPU run is really autocast (its losses differ
 from fp32's by rounding only)."""
 
@@ -37,25 +37,25 @@ def test_auto_and_bf16_give_bf16_on_a_cpu_with_native_bf16(monkeypatch, avx512_b
 def test_cpu_without_native_bf16(monkeypatch):
     _cpu(monkeypatch, False, False)
     assert resolve_precision("auto", CPU) == "fp32"
-    assert describe("auto", CPU) == "train.precision=auto -> fp32 (CPU without native bf16)"
-    with pytest.raises(ConfigError, match=r"train\.precision = 'bf16' but this CPU has no native bf16"):
+    assert describe("auto", CPU) == "speed.precision=auto -> fp32 (CPU without native bf16)"
+    with pytest.raises(ConfigError, match=r"speed\.precision = 'bf16' but this CPU has no native bf16"):
         resolve_precision("bf16", CPU)
-    with pytest.raises(ConfigError, match=r"train\.precision"):
+    with pytest.raises(ConfigError, match=r"speed\.precision"):
         describe("bf16", CPU)  # what the train stage's driver calls before any worker starts
 
 
 def test_fp16_on_cpu_and_unknown_values_are_errors():
-    with pytest.raises(ConfigError, match=r"train\.precision = 'fp16'"):
+    with pytest.raises(ConfigError, match=r"speed\.precision = 'fp16'"):
         resolve_precision("fp16", CPU)
-    with pytest.raises(ConfigError, match=r"train\.precision = 'fp8'"):
+    with pytest.raises(ConfigError, match=r"speed\.precision = 'fp8'"):
         resolve_precision("fp8", CPU)
 
 
 def test_auto_is_the_default_and_validated():
-    assert Config().train.precision == "auto"
+    assert Config().speed.precision == "auto"
     cfg = Config()
-    cfg.train.precision = "bf17"
-    with pytest.raises(ConfigError, match=r"train\.precision"):
+    cfg.speed.precision = "bf17"
+    with pytest.raises(ConfigError, match=r"speed\.precision"):
         cfg.validate()
 
 
@@ -80,7 +80,7 @@ def test_a_bf16_cpu_run_is_autocast_and_tracks_fp32(tmp_path, monkeypatch):
     fp32 = train_worker(tiny_spec(shards, max_steps=6), LocalSession(tmp_path / "a"))
     assert set(multiples) == {1}
     multiples.clear()
-    auto = train_worker(tiny_spec(shards, max_steps=6, precision="auto"), LocalSession(tmp_path / "b"))
+    auto = train_worker(tiny_spec(shards, max_steps=6, speed_precision="auto"), LocalSession(tmp_path / "b"))
     assert fp32["precision"] == "fp32" and auto["precision"] == "bf16"
     assert multiples.count(64) >= 6  # every training micro-batch (validation keeps its whole batches)
     a, b = [h[1] for h in fp32["history_train"]], [h[1] for h in auto["history_train"]]

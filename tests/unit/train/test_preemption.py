@@ -44,7 +44,7 @@ def no_notice():
 
 
 def test_sigterm_becomes_a_checkpoint_and_the_rerun_resumes_there(shards, tmp_path):
-    spec = tiny_spec(shards, max_steps=20, checkpoint_interval_steps=5, eval_interval_steps=100)
+    spec = tiny_spec(shards, max_steps=20, checkpoint_interval_steps=5, metrics_val_loss_interval_steps=100)
     straight = train_worker(spec, LocalSession(tmp_path / "straight"))
 
     session = LocalSession(tmp_path / "preempted")
@@ -67,8 +67,8 @@ def test_sigterm_becomes_a_checkpoint_and_the_rerun_resumes_there(shards, tmp_pa
 
 
 def test_a_notice_shorter_than_a_save_stops_without_a_checkpoint(shards, tmp_path):
-    spec = tiny_spec(shards, max_steps=20, checkpoint_interval_steps=5, eval_interval_steps=100,
-                     preemption_grace_s=1e-6)
+    spec = tiny_spec(shards, max_steps=20, checkpoint_interval_steps=5, metrics_val_loss_interval_steps=100,
+                     workers_preemption_grace_s=1e-6)
     session = LocalSession(tmp_path / "short")
     trainer, sent = Trainer(LoopSpec(**spec), session), {}
     sigterm_at(trainer, 7, sent)

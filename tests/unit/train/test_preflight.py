@@ -26,9 +26,11 @@ def no_training(monkeypatch):
 def context(tmp_path, train_dir, dev_dir="", **overrides) -> StageContext:
     cfg = Config()
     cfg.model.d_model, cfg.model.d_ff, cfg.model.n_heads = 32, 64, 2
-    cfg.train.tokens_per_step, cfg.train.max_tokens_per_batch, cfg.train.num_workers = 500, 200, 1
-    for k, v in overrides.items():
-        setattr(cfg.train, k, v)
+    cfg.train.tokens_per_step, cfg.speed.max_tokens_per_batch, cfg.workers.num_workers = 500, 200, 1
+    for k, v in overrides.items():  # a train field by name, a speed field as speed_<field>
+        section, name = (cfg.speed, k[len("speed_"):]) if k.startswith("speed_") else (cfg.train, k)
+        assert hasattr(section, name), k
+        setattr(section, name, v)
     splits = {"train": {"dir": str(train_dir)}}
     if dev_dir:
         splits["dev"] = {"dir": str(dev_dir)}
@@ -83,7 +85,7 @@ def test_tokens_per_step_smaller_than_one_sentence(tmp_path):
 def test_batch_cap_smaller_than_the_longest_pair(tmp_path):
     shards = write_reverse_task(tmp_path / "train", 20, VOCAB, min_len=10, max_len=12)
     with pytest.raises(train.TrainInputError, match="max_tokens_per_batch=10 is smaller than the longest"):
-        train.run(context(tmp_path, shards, max_tokens_per_batch=10))
+        train.run(context(tmp_path, shards, speed_max_tokens_per_batch=10))
 
 
 def test_max_len_beyond_the_model_positions(tmp_path):

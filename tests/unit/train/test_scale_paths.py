@@ -95,8 +95,8 @@ def test_a_training_step_has_no_host_sync():
 
 
 def test_prefetch_gives_identical_losses(shards, tmp_path):
-    on = train_worker(tiny_spec(shards, max_steps=8, prefetch=True), LocalSession(tmp_path / "on"))
-    off = train_worker(tiny_spec(shards, max_steps=8, prefetch=False), LocalSession(tmp_path / "off"))
+    on = train_worker(tiny_spec(shards, max_steps=8, speed_prefetch=True), LocalSession(tmp_path / "on"))
+    off = train_worker(tiny_spec(shards, max_steps=8, speed_prefetch=False), LocalSession(tmp_path / "off"))
     assert [h[1:] for h in on["history_train"]] == [h[1:] for h in off["history_train"]]
     assert len(on["history_train"]) == 8
 
@@ -150,7 +150,7 @@ def test_checkpoint_stores_tied_weights_once_and_loads_them_tied(tmp_path):
 
 
 def test_time_based_checkpoint_is_decided_on_log_steps_only(shards, tmp_path):
-    spec = LoopSpec(**tiny_spec(shards, max_steps=6, log_interval_steps=3, checkpoint_interval_steps=1000,
+    spec = LoopSpec(**tiny_spec(shards, max_steps=6, metrics_log_interval_steps=3, checkpoint_interval_steps=1000,
                                 checkpoint_interval_s=1e-9))
     trainer = Trainer(spec, LocalSession(tmp_path))
     trainer.run()
@@ -166,7 +166,7 @@ def test_compiled_model_trains_like_eager(shards, tmp_path):
     # dropout, so the eager reference does too (model.kernels.Dropout's CPU masks differ).
     eager = Trainer(LoopSpec(**tiny_spec(shards, max_steps=3)), LocalSession(tmp_path / "eager"),
                     cpu_kernels=False).run()
-    compiled = Trainer(LoopSpec(**tiny_spec(shards, max_steps=3, compile=True, compile_backend="aot_eager")),
+    compiled = Trainer(LoopSpec(**tiny_spec(shards, max_steps=3, speed_compile=True, speed_compile_backend="aot_eager")),
                        LocalSession(tmp_path / "compiled"), cpu_kernels=False).run()
     want, got = ([h[1] for h in r["history_train"]] for r in (eager, compiled))
     assert got == pytest.approx(want, rel=1e-5)

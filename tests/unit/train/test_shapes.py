@@ -94,7 +94,7 @@ def test_a_bucketed_step_has_the_loss_and_gradients_of_the_unpadded_one():
 
 def test_the_loop_with_buckets_trains_as_without(shards, tmp_path):  # noqa: F811
     def run(name, on):
-        spec = tiny_spec(shards, max_steps=6, shape_buckets=on)
+        spec = tiny_spec(shards, max_steps=6, speed_shape_buckets=on)
         spec["model_config"]["dropout"] = 0.0  # the CPU dropout's mask depends on the tensor's size
         return train_worker(spec, LocalSession(tmp_path / name))
     off, on = run("off", False), run("on", True)
@@ -110,7 +110,7 @@ def test_base_on_a_wmt14_sized_corpus_has_few_shapes_and_little_padding(workers,
     (configs/base.toml: 25k target tokens per step, max_len 256) over 4.5M pairs of the bill's
     assumed lengths; 8 workers of 6250 padded tokens as shipped, or 1 GPU with accumulation or not."""
     cfg = Config()
-    cfg.train.num_workers, cfg.train.max_tokens_per_batch = workers, cap
+    cfg.workers.num_workers, cfg.speed.max_tokens_per_batch = workers, cap
     src, tgt = bill.assumed_lengths(cfg, 4_500_000)
     report = bill.shapes_report(cfg, ModelConfig(vocab_size=37000), src, tgt)  # what --plan prints
     assert report.num_shapes <= 64 and report.padding_pct <= 10.0, report.format()

@@ -44,7 +44,7 @@ def test_the_waits_are_capped_and_the_retry_time_bounds_them():
     clock = Clock()
     copy, calls = failing(10**6)
     with pytest.raises(CheckpointUploadError, match=r"checkpoint_0000020: the object store took no complete copy "
-                                                    r"in 9 attempt\(s\) over 121 s \(train.checkpoint_upload_retry_s="
+                                                    r"in 9 attempt\(s\) over 121 s \(checkpoint.upload_retry_s="
                                                     r"150\); last error: Connection reset by peer \(9\)"):
         with_retries(copy, "checkpoint_0000020", 150, sleep=clock.sleep, clock=lambda: clock.now)
     # Failed at 0, 1, 3, 7, 15, 31, 61, 91, 121 s; one more 30 s wait would end past 150 s.
