@@ -35,7 +35,7 @@ class BatchLayout:
     eos_id: int
     row_multiple: int = 1  # computed positions rounded up to a multiple of it (`device.row_multiple`)
     max_width: int = 0  # never more columns than this (the model's positions); 0 = no limit
-    buckets: ShapeBuckets | None = None  # pad to the bucketed shape instead (GPUs: `train.shape_buckets`)
+    buckets: ShapeBuckets | None = None  # pad to the bucketed shape instead (GPUs: `speed.shape_buckets`)
 
     @classmethod
     def of(cls, mc, row_multiple: int = 1, buckets: ShapeBuckets | None = None) -> "BatchLayout":

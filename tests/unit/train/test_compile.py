@@ -99,7 +99,7 @@ def test_inductor_losses_equal_eager(shards, tmp_path, precision, tol):
 
 @pytest.mark.slow
 def test_gpu_recipe_compiled_equals_eager_with_graphs_bounded(shards, tmp_path):
-    """What a GPU run does by default (train.compile, train.shape_buckets, train.fused_loss): compiled,
+    """What a GPU run does by default (speed.compile, speed.shape_buckets, speed.fused_loss): compiled,
     shape buckets, fused projection + loss, bucketed validations. Losses equal eager's; the graphs are the first step's and the first
     validation's, however many bucket shapes follow (inductor: the generated code is what runs)."""
     torch._dynamo.reset()
