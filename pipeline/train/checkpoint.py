@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from pipeline.config import CheckpointConfig, MetricsConfig
 
@@ -153,18 +152,16 @@ def report(session: Any, step: int, metrics: dict[str, Any], upload_async: bool,
 #
 # Every worker reaches the same decision at the same step without talking, except for the
 # time-based checkpoint (`checkpoint.interval_s`): wall clocks differ between workers, so
-# rank 0 decides and broadcasts, which waits for the device. That is asked on log steps only
-# (which all workers reach together), so a step that neither logs nor checkpoints never syncs,
-# and a time-based checkpoint comes at most `metrics.log_interval_steps` late.
+# rank 0's clock decides, and its wish travels in the step's agreement (`pipeline.train.agreement`).
+# It is asked on log steps only (whose agreement every rank waits for anyway), so a time-based
+# checkpoint comes at most `metrics.log_interval_steps` late.
 
 
 class Cadence:
     """The interval rules of one worker; `checkpointed()` restarts the checkpoint clock."""
 
-    def __init__(self, max_steps: int, metrics: MetricsConfig, checkpoint: CheckpointConfig, world: int,
-                 device: torch.device, validates: bool):
-        self.max_steps, self.metrics, self.checkpoint = max_steps, metrics, checkpoint
-        self.world, self.device, self.validates = world, device, validates
+    def __init__(self, max_steps: int, metrics: MetricsConfig, checkpoint: CheckpointConfig, validates: bool):
+        self.max_steps, self.metrics, self.checkpoint, self.validates = max_steps, metrics, checkpoint, validates
         self.last_checkpoint_t = time.monotonic()
 
     def _every(self, step: int, interval: int) -> bool:
@@ -176,16 +173,18 @@ class Cadence:
     def validates_at(self, step: int) -> bool:
         return self.validates and self._every(step, self.metrics.val_loss_interval_steps)
 
-    def checkpoints_at(self, step: int) -> bool:
-        if self._every(step, self.checkpoint.interval_steps):
-            return True
-        if self.checkpoint.interval_s <= 0 or not self.logs(step):
-            return False
-        flag = torch.tensor([int(time.monotonic() - self.last_checkpoint_t >= self.checkpoint.interval_s)],
-                            device=self.device)
-        if self.world > 1:
-            dist.broadcast(flag, src=0)
-        return bool(flag.item())
+    def syncs(self, step: int) -> bool:
+        """Whether the ranks wait for this step's agreement: it logs or validates."""
+        return self.logs(step) or self.validates_at(step)
+
+    def interval_due(self, step: int) -> bool:
+        """A checkpoint by `checkpoint.interval_steps` (or the last step)."""
+        return self._every(step, self.checkpoint.interval_steps)
+
+    def time_due(self, step: int) -> bool:
+        """This worker's clock says a checkpoint by `checkpoint.interval_s` (asked on log steps)."""
+        return (self.checkpoint.interval_s > 0 and self.logs(step)
+                and time.monotonic() - self.last_checkpoint_t >= self.checkpoint.interval_s)
 
     def checkpointed(self) -> None:
         self.last_checkpoint_t = time.monotonic()
@@ -193,15 +192,15 @@ class Cadence:
 
 class Checkpointer:
     """One worker's checkpoints in the loop: the latest one restored (`restore`), a new one written
-    by rank 0 and reported by every rank (`write`), restarting the checkpoint clock of `cadence`.
+    by rank 0 and reported by every rank (`write`).
 
     `state` holds what a checkpoint keeps besides the progress: the model, optimizer, scheduler
     and scaler (the keyword arguments of `save` and `load`)."""
 
     def __init__(self, session: Any, rank: int, device: torch.device, checkpoint: CheckpointConfig,
-                 state: dict[str, Any], cadence: Cadence, model_config: dict[str, Any], extra: dict[str, Any]):
+                 state: dict[str, Any], max_steps: int, model_config: dict[str, Any], extra: dict[str, Any]):
         self.session, self.rank, self.device, self.checkpoint = session, rank, device, checkpoint
-        self.state, self.cadence, self.model_config, self.extra = state, cadence, model_config, extra
+        self.state, self.max_steps, self.model_config, self.extra = state, max_steps, model_config, extra
 
     def restore(self) -> Progress | None:
         """The progress of the latest checkpoint, whose state is loaded in place; None: there is none."""
@@ -214,19 +213,16 @@ class Checkpointer:
                      p.step, p.epoch, p.step_in_epoch)
         return p
 
-    def write(self, p: Progress, metrics: dict[str, Any], log_metrics: Callable[[dict[str, float]], None],
-             sync: bool = False) -> float:
+    def write(self, p: Progress, metrics: dict[str, Any], sync: bool = False) -> float:
         """The checkpoint of `p.step` (reported with `metrics`); the seconds the loop waited (`sync`:
-        the upload included), logged through `log_metrics` on rank 0."""
+        the upload included)."""
         t0 = time.perf_counter()
         upload_async = self.checkpoint.upload == "async" and not sync
         report(self.session, p.step, {"step": p.step, "epoch": p.epoch, **metrics}, upload_async,
                lambda folder: save(folder, **self.state, progress=p, model_config=self.model_config,
                                    extra=self.extra))
-        self.cadence.checkpointed()
+        waited = time.perf_counter() - t0
         if self.rank == 0:
-            log_metrics({"train/checkpoint_stall_s": time.perf_counter() - t0})
-            log.info("step %d/%d | checkpoint %s (%s upload; the loop waited %.2f s)", p.step, self.cadence.max_steps,
-                     checkpoint_dir_name(p.step), "background" if upload_async else "synchronous",
-                     time.perf_counter() - t0)
-        return time.perf_counter() - t0
+            log.info("step %d/%d | checkpoint %s (%s upload; the loop waited %.2f s)", p.step, self.max_steps,
+                     checkpoint_dir_name(p.step), "background" if upload_async else "synchronous", waited)
+        return waited

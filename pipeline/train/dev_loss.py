@@ -1,6 +1,7 @@
 """Dev-set loss and perplexity during training (`metrics.val_loss_interval_steps`), in the workers.
 
-Each worker takes a stride of the dev batches and the sums are all-reduced, so the dev loss costs
+Each worker takes a stride of the dev batches and the sums are added over the workers in the
+step's agreement (`pipeline.train.agreement`), so the dev loss costs
 about one forward pass over the dev set split over the workers; pairs longer than the model's
 positions are left out. The model is put back in training mode afterwards. (Dev BLEU per
 checkpoint is another thing: `pipeline.train.dev_bleu_validation`, Ray Train's validation.)
@@ -26,12 +27,12 @@ from pipeline.plan.shapes import ShapeBuckets
 from pipeline.train import token_batches
 from pipeline.train.corpus import Corpus
 from pipeline.train.feeder import to_device
-from pipeline.train.metrics import all_reduce_sum
 from pipeline.train.step import LossSettings, micro_batch_loss
 
 
 class DevLoss:
-    """Loss, nll and perplexity per target token on the dev split; `None` on ranks other than 0."""
+    """Loss, nll and perplexity per target token on the dev split: this worker's sums (`sums`),
+    then the metrics of the sums added over the workers (`metrics`)."""
 
     def __init__(self, data: Corpus, mcfg: ModelConfig, max_tokens: int, loss: LossSettings, rank: int,
                  world: int, device: torch.device, buckets: ShapeBuckets | None = None):
@@ -44,7 +45,8 @@ class DevLoss:
         self.batches = step_groups.plan_eval_batches(rows, d.src_len, d.tgt_len, max_tokens)
 
     @torch.no_grad()
-    def __call__(self, model: torch.nn.Module) -> dict[str, float] | None:
+    def sums(self, model: torch.nn.Module) -> torch.Tensor:
+        """(3,) float64 on the device: loss, nll and target tokens of this worker's stride of the batches."""
         d = self.data
         inner = model.module if isinstance(model, DDP) else model
         inner.eval()
@@ -57,7 +59,12 @@ class DevLoss:
             sums += torch.stack([loss.double(), nll.double(), torch.tensor(float(b.num_tgt_tokens),
                                  dtype=torch.float64, device=self.device)])
         inner.train()
-        loss, nll, n = all_reduce_sum(sums, self.device, self.world)
-        if self.rank != 0 or n == 0:
+        return sums
+
+    @staticmethod
+    def metrics(sums: list[float]) -> dict[str, float] | None:
+        """val/loss, val/nll, val/ppl of the workers' added `sums`; None when there were no target tokens."""
+        loss, nll, n = sums
+        if n == 0:
             return None
         return {"val/loss": loss / n, "val/nll": nll / n, "val/ppl": math.exp(min(nll / n, 50.0))}

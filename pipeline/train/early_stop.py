@@ -17,20 +17,20 @@ Where the values come from:
 
 Resume: the count is rebuilt from what was logged up to the restored checkpoint (its
 `history_val`, or the dev BLEU records of steps up to it), so a crash neither resets nor
-double-counts it. The decision is rank 0's, broadcast, so every worker stops at the same step.
+double-counts it. Every worker stops at the same step: each keeps the val-loss count over the dev
+losses the step's agreement gives them all (`pipeline.train.agreement`), and rank 0's dev BLEU
+wish travels in that agreement.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-import torch
-import torch.distributed as dist
 
 from pipeline.config import ConfigError, TrainConfig
-from pipeline.train.checkpoint import Cadence, Progress
+from pipeline.train.checkpoint import Progress
 
 log = logging.getLogger(__name__)
 
@@ -111,29 +111,19 @@ class DevBleuRecords:
         return sorted(out)
 
 
-def agree(stop: bool, device: torch.device, world: int) -> bool:
-    """Rank 0's decision on every rank (a broadcast: every rank calls it at the same step)."""
-    if world == 1:
-        return stop
-    flag = torch.tensor([int(stop)], device=device)
-    dist.broadcast(flag, src=0)
-    return bool(flag.item())
-
-
 class EarlyStopDecision:
     """The training loop's early-stop decision (`pipeline.train.loop.Trainer`): the `EarlyStop` rule
-    over its metric's values, rebuilt at a resume (`resume`), and the decision at a step (`decide`):
-    rank 0's, agreed by all."""
+    over its metric's values, rebuilt at a resume (`resume`); rank 0's dev BLEU wish before a step's
+    agreement (`wish`), and the decision after it (`decide`), the same on every rank."""
 
-    def __init__(self, tc: TrainConfig, dev_bleu_dir: str, rank: int, world: int, device: torch.device):
-        self.tc, self.rank, self.world, self.device = tc, rank, world, device
+    def __init__(self, tc: TrainConfig, dev_bleu_dir: str, rank: int):
+        self.tc, self.rank = tc, rank
         self.early = EarlyStop(tc.early_stop_patience, tc.early_stop_metric)
         self.dev_bleu = DevBleuRecords(dev_bleu_dir) if tc.early_stop_metric == "dev_bleu" else None
         self._stop_pending = False  # the resumed count already said stop (decided at the next step)
 
     @classmethod
-    def for_loop(cls, tc: TrainConfig, validates: bool, dev_bleu_dir: str, rank: int, world: int,
-                 device: torch.device) -> "EarlyStopDecision | None":
+    def for_loop(cls, tc: TrainConfig, validates: bool, dev_bleu_dir: str, rank: int) -> "EarlyStopDecision | None":
         """None when early stopping is off; a ConfigError when its metric has no values."""
         if not tc.early_stop_patience:
             return None
@@ -142,37 +132,49 @@ class EarlyStopDecision:
         if tc.early_stop_metric == "dev_bleu" and not dev_bleu_dir:
             raise ConfigError("train.early_stop_metric = 'dev_bleu' needs dev BLEU per checkpoint "
                               "(eval.dev_bleu and a dev split); or use 'val_loss'")
-        return cls(tc, dev_bleu_dir, rank, world, device)
+        return cls(tc, dev_bleu_dir, rank)
 
     def resume(self, p: Progress) -> None:
-        """After restoring the checkpoint `p`: continue the count from what was logged up to it."""
+        """After restoring the checkpoint `p`: continue the count from what was logged up to it (the
+        dev losses on every rank, the dev BLEU records on rank 0)."""
         e = self.early
-        if self.rank != 0:
+        if self.dev_bleu is not None and self.rank != 0:
             return
-        logged = val_loss_values(p.history_val) if e.metric == "val_loss" else self.dev_bleu.new_values(p.step)
+        logged = val_loss_values(p.history_val) if self.dev_bleu is None else self.dev_bleu.new_values(p.step)
         self._stop_pending = e.replay(logged, p.step) and not p.early_stop
-        if e.best is not None:
+        if e.best is not None and self.rank == 0:
             log.info("early stopping: %d of %d validation(s) without improvement of %s at the resume "
                      "(best %.4f at step %d)", e.num_bad, e.patience, e.metric, e.best, e.best_step)
 
-    def decide(self, p: Progress, cadence: Cadence, log_metrics: Callable[[dict[str, float]], None]) -> bool:
-        """Early stopping's decision at this step (rank 0's, agreed by all): on validation steps
-        for val_loss, on log steps for dev BLEU (its records arrive asynchronously). A stop is
-        recorded in `p.early_stop` and logged through `log_metrics`."""
-        e = self.early
-        if not (cadence.validates_at(p.step) if e.metric == "val_loss" else cadence.logs(p.step)):
+    def wish(self, step: int, logs: bool) -> bool:
+        """Rank 0, before a log step's agreement: whether the dev BLEU records that have arrived say
+        stop. False for the val-loss rule (decided on every rank after the agreement)."""
+        if self.dev_bleu is None or not logs or self.rank != 0:
             return False
         stop = False
-        if self.rank == 0:
-            values = val_loss_values(p.history_val[-1:]) if e.metric == "val_loss" else self.dev_bleu.new_values(p.step)
-            for step, value in values:
-                stop = e.observe(step, value) or stop
+        for s, value in self.dev_bleu.new_values(step):
+            stop = self.early.observe(s, value) or stop
+        stop, self._stop_pending = stop or self._stop_pending, False
+        return stop
+
+    def decide(self, step: int, agreed_wish: bool, val_loss: float | None) -> dict[str, Any] | None:
+        """After the step's agreement: the stop's record when the run stops at `step`, else None.
+        val_loss: the agreed dev loss of a validation step (None elsewhere)."""
+        e = self.early
+        if self.dev_bleu is not None:
+            stop = agreed_wish
+        elif val_loss is None:
+            return None
+        else:
+            stop = e.observe(step, val_loss)
             stop, self._stop_pending = stop or self._stop_pending, False
-        if not agree(stop, self.device, self.world):
-            return False
-        p.early_stop = e.record(p.step, self.tc.max_steps)
+        if not stop:
+            return None
         if self.rank == 0:
-            log.warning("early stop at step %d of %d: %s", p.step, self.tc.max_steps, e.describe())
-            log_metrics({"train/early_stop_step": float(p.step), "train/early_stop_best": float(e.best),
-                         "train/early_stop_best_step": float(e.best_step)})
-        return True
+            log.warning("early stop at step %d of %d: %s", step, self.tc.max_steps, e.describe())
+        return e.record(step, self.tc.max_steps)
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """What a stop logs."""
+        return {"train/early_stop_step": float(step), "train/early_stop_best": float(self.early.best),
+                "train/early_stop_best_step": float(self.early.best_step)}

@@ -39,12 +39,13 @@ from pipeline.config.devices import on_for
 from pipeline.plan.shapes import ShapeBuckets
 from pipeline.tracking import spool_dir_for  # imports no MLflow (it loads lazily)
 from pipeline.train import elastic, preemption
+from pipeline.train.agreement import Agreed, Local, StepAgreement
 from pipeline.train.checkpoint import Cadence, Checkpointer, Progress
 from pipeline.train.corpus import load_corpus, load_shared_corpus
 from pipeline.train.dev_loss import DevLoss
 from pipeline.train.device import WorkerDevice
 from pipeline.train.early_stop import EarlyStopDecision
-from pipeline.train.feeder import Feeder, HostBatcher, StepBatch, StepPlan, upload
+from pipeline.train.feeder import Feeder, HostBatcher, MicroBatch, StepBatch, StepPlan, upload
 from pipeline.train.metrics import TrainLog, Window
 from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
 from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, step_seed
@@ -102,18 +103,16 @@ class Trainer:
         self.batcher = HostBatcher(self.train_data, self.mcfg, self.rank, self.world, speed.max_tokens_per_batch,
                                    self.device, self.device_setup.row_multiple, buckets)
         self.progress = Progress()
-        self.cadence = Cadence(tc.max_steps, self.cfg.metrics, self.cfg.checkpoint, self.world, self.device,
-                               validates=self.dev_loss is not None)
+        self.cadence = Cadence(tc.max_steps, self.cfg.metrics, self.cfg.checkpoint, validates=self.dev_loss is not None)
         state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
                  "scaler": self.loss_settings.scaler}
         extra = {"seed": tc.seed, "world_size": self.world, "num_dropped": self.plan.num_dropped}
-        self.checkpoints = Checkpointer(session, self.rank, self.device, self.cfg.checkpoint, state, self.cadence,
+        self.checkpoints = Checkpointer(session, self.rank, self.device, self.cfg.checkpoint, state, tc.max_steps,
                                         spec.model_config, extra)
-        self.early_stop = EarlyStopDecision.for_loop(tc, self.dev_loss is not None, spec.dev_bleu_dir, self.rank,
-                                                     self.world, self.device)
+        self.early_stop = EarlyStopDecision.for_loop(tc, self.dev_loss is not None, spec.dev_bleu_dir, self.rank)
         self.start_step = 0  # the step this attempt resumed from
-        self.metrics = TrainLog(self.progress, tc.max_steps, self.rank, self.world, self.device,
-                                spec.tracking_uri, spec.run_id, self.cfg.tracking.buffer_s, spool_dir_for(self.cfg))
+        self.metrics = TrainLog(self.progress, tc.max_steps, self.rank, spec.tracking_uri, spec.run_id,
+                                self.cfg.tracking.buffer_s, spool_dir_for(self.cfg))
 
     def restore(self) -> None:
         progress = self.checkpoints.restore()
@@ -128,99 +127,158 @@ class Trainer:
         self.start_step = self.progress.step
         self.cadence.checkpointed()  # the checkpoint clock starts with the loop
         model = distributed(self.forward_model, self.device, self.world, self.speed.grad_compression)
-        p, tc = self.progress, self.tc
-        self._log_start()
+        p = self.progress
+        log_start(self)
         window, t_attempt, time_base = Window(), time.perf_counter(), p.train_time_s
         feeder = Feeder(self.batcher, prefetch=self.speed.prefetch)
+        agreement = StepAgreement(self.world)
         grace_s = self.cfg.workers.preemption_grace_s
-        notice = preemption.Agreement(grace_s, self.rank, self.world) if grace_s else None
+        notice = preemption.Notice(grace_s, self.rank) if grace_s else None
         try:
-            while p.step < tc.max_steps and not p.early_stop:
+            while p.step < self.tc.max_steps and not p.early_stop:
                 t_step = time.perf_counter()
                 group, nxt = self.plan.at(p.epoch, p.step_in_epoch)
                 if group is None:  # the epoch is over
                     p.epoch, p.step_in_epoch = p.epoch + 1, 0
                     continue
                 self.session.before_step(p.step + 1)
-                self._train_step(model, feeder.take(group), window, lambda: feeder.ahead(nxt))
+                host = feeder.take(group)
+                micro = self._on_device(model, host)
+                feeder.ahead(nxt)  # the next step's batches, built while this step's kernels run
+                loss, nll, lr, norm = self._train_step(model, micro, host.tgt_tokens)
+                window.add(loss, nll, src_tokens=host.src_tokens, tgt_tokens=host.tgt_tokens, lr=lr, grad_norm=norm)
+                p.tokens_src, p.tokens_tgt = p.tokens_src + host.src_tokens, p.tokens_tgt + host.tgt_tokens
                 p.step, p.step_in_epoch = p.step + 1, p.step_in_epoch + 1
                 p.train_time_s = time_base + time.perf_counter() - t_attempt
-                if self.cadence.logs(p.step):
-                    window = self._log_window(window)
-                if self.cadence.validates_at(p.step):
-                    self._validate(model)
-                # then the checkpoint of this step records it
-                stop = self.early_stop is not None and self.early_stop.decide(p, self.cadence, self.metrics.log)
-                if notice is not None:  # before the interval checkpoint: this one is synchronous
-                    preemption.stop_if_noticed(notice, time.perf_counter() - t_step, p.step,
-                                               lambda: self._checkpoint(sync=True), self.session)
-                if stop or self.cadence.checkpoints_at(p.step):
-                    save_s = self._checkpoint()
-                    if notice is not None:
-                        notice.observe(save_s=save_s)
+                # The step's one collective: what the ranks must share, then what it decides.
+                local = local_side(self, model, window, notice, t_step)
+                window = self._act(agreement.exchange(local, blocking=self.cadence.syncs(p.step)), window, notice)
         finally:
             feeder.close()
+            agreement.close()
             if notice is not None:
                 notice.close()
             self.metrics.close()
         return summary(self)
 
-    def _log_start(self) -> None:
-        """World size and accumulation at the resume step (elastic runs change them), and where it starts."""
-        p, tc = self.progress, self.tc
-        previous_world, p.world_size = p.world_size or None, self.world
-        group, _ = self.plan.at(p.epoch, p.step_in_epoch)
-        if group is not None:
-            accum = self.plan.accum(group, self.world, self.speed.max_tokens_per_batch)
-            elastic.log_start(self.metrics.tracker, self.rank, p.step, self.world, accum, previous_world)
-        if self.rank == 0:
-            log.info("training from step %d to %d on %d worker(s), %s; %d pairs kept, %d dropped "
-                     "(> train.max_len=%d pieces); %d steps in epoch %d", p.step, tc.max_steps, self.world,
-                     self.device_setup.precision, len(self.plan.rows), self.plan.num_dropped, tc.max_len,
-                     len(self.plan.groups(p.epoch)), p.epoch)
-
-    def _train_step(self, model: torch.nn.Module, host: StepBatch, window: Window,
-                    start_prefetch: Any = None) -> None:
-        p, tc = self.progress, self.tc
+    def _on_device(self, model: torch.nn.Module, host: StepBatch) -> list[MicroBatch]:
+        """The step's micro-batches uploaded, its dropout seed set, the model in training mode."""
         micro = [upload(mb, self.device) for mb in host.micro_batches]
-        torch.manual_seed(step_seed(tc.seed, self.rank, p.step + 1))
+        torch.manual_seed(step_seed(self.tc.seed, self.rank, self.progress.step + 1))
         model.train()
-        if start_prefetch is not None:
-            # Started here, not before the set-up above: the prefetch thread's Python holds the GIL
-            # in bursts, and the model's kernels (which release it) are what it should overlap.
-            start_prefetch()
-        with self.device_setup.attention():
-            loss, nll = accumulate_gradients(model, micro, host.tgt_tokens, self.world, self.loss_settings)
-        lr = self.optimizer.param_groups[0]["lr"]
-        norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.loss_settings.scaler, tc.clip_norm,
-                              self.cadence.logs(p.step + 1))
-        window.add(loss, nll, src_tokens=host.src_tokens, tgt_tokens=host.tgt_tokens, lr=lr, grad_norm=norm)
-        p.tokens_src += host.src_tokens
-        p.tokens_tgt += host.tgt_tokens
+        return micro
 
-    def _log_window(self, window: Window) -> Window:
-        """The log line of `window`'s steps, the batch shapes and compiled graphs so far; a new window."""
-        self.metrics.log_window(window)
-        window = Window()
-        if self.rank == 0:
-            compiler = self.device_setup.compiler
-            self.metrics.log({"train/batch_shapes": float(len(self.batcher.shapes)), **(
-                {"train/compiled_graphs": float(compiler.num_graphs)} if compiler is not None else {})})
+    def _train_step(self, model: torch.nn.Module, micro: list[MicroBatch], tgt_tokens: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, float, float | None]:
+        """One optimizer step: (loss sum, nll sum, the lr it used, the gradient norm on log steps)."""
+        with self.device_setup.attention():
+            loss, nll = accumulate_gradients(model, micro, tgt_tokens, self.world, self.loss_settings)
+        lr = self.optimizer.param_groups[0]["lr"]
+        norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.loss_settings.scaler, self.tc.clip_norm,
+                              self.cadence.logs(self.progress.step + 1))
+        return loss, nll, lr, norm
+
+    def _act(self, agreed: Agreed | None, window: Window, notice: preemption.Notice | None) -> Window:
+        """What the agreement decides, in this order: log, the dev loss, an early stop, a stop for a
+        preemption notice, a checkpoint (which then records all of them); the window to go on with."""
+        p = self.progress
+        if agreed is not None and agreed.log_sums is not None:
+            log_window(self, window, agreed.log_sums)
+            window = Window()
+        val_loss = record_dev_loss(self, agreed.dev_sums) if agreed is not None and agreed.dev_sums is not None else None
+        record = None if self.early_stop is None or agreed is None else self.early_stop.decide(
+            p.step, agreed.stop, val_loss)
+        if record is not None:
+            p.early_stop = record
+            if self.rank == 0:
+                self.metrics.log(self.early_stop.metrics(p.step))
+        if notice is not None:
+            self._stop_if_preempted(agreed)
+        if record is not None or self.cadence.interval_due(p.step) or (agreed is not None and agreed.checkpoint_due):
+            save_s = self._checkpoint()
+            if notice is not None:
+                notice.observe(save_s=save_s)
         return window
 
-    def _validate(self, model: torch.nn.Module) -> None:
-        with self.device_setup.attention():
-            m = self.dev_loss(model)
-        if m is None:
+    def _stop_if_preempted(self, agreed: Agreed | None) -> None:
+        """At the step agreed on after a SIGTERM to any worker: a synchronous checkpoint if it fits, then `Preempted`."""
+        stop, fits = preemption.decide(agreed, self.progress.step, self.rank)
+        if not stop:
             return
-        p = self.progress
-        p.history_val.append([float(p.step), m["val/loss"], m["val/nll"]])
-        self.metrics.log(m)
-        log.info("step %d/%d | val loss %.4f | val ppl %.2f", p.step, self.tc.max_steps, m["val/loss"], m["val/ppl"])
+        if fits:
+            self._checkpoint(sync=True)
+            flush = getattr(self.session, "flush_reports", None)  # Ray: registered before the group stops
+            if flush is not None:
+                flush(timeout_s=10.0)
+        raise preemption.Preempted(f"preemption notice (SIGTERM): stopped at step {self.progress.step} "
+                                   f"{'after a checkpoint' if fits else 'without a checkpoint'}")
 
     def _checkpoint(self, sync: bool = False) -> float:
-        """The seconds the loop waited (`sync`: the upload included)."""
-        return self.checkpoints.write(self.progress, self.metrics.last, self.metrics.log, sync)
+        """The checkpoint of this step; the seconds the loop waited (`sync`: the upload included)."""
+        waited = self.checkpoints.write(self.progress, self.metrics.last, sync)
+        self.cadence.checkpointed()
+        if self.rank == 0:
+            self.metrics.log({"train/checkpoint_stall_s": waited})
+        return waited
+
+
+def local_side(t: Trainer, model: torch.nn.Module, window: Window, notice: preemption.Notice | None,
+               t_step: float) -> Local:
+    """This rank's side of the step's agreement: the sums of a log or validation step, rank 0's
+    wishes (a time-based checkpoint, an early stop on dev BLEU), the preemption notice."""
+    p, c = t.progress, t.cadence
+    local = Local()
+    if c.logs(p.step):
+        local.log_sums = torch.stack([window.loss, window.nll])
+    if c.validates_at(p.step):
+        with t.device_setup.attention():
+            local.dev_sums = t.dev_loss.sums(model)
+    if t.rank == 0:
+        local.checkpoint_due = c.time_due(p.step)
+        local.stop = t.early_stop is not None and t.early_stop.wish(p.step, c.logs(p.step))
+    if notice is not None:
+        notice.observe(step_s=time.perf_counter() - t_step)
+        local.grace_left_s, local.step_and_save_s, local.save_s = notice.local(p.step)
+    return local
+
+
+def log_window(t: Trainer, window: Window, sums: list[float]) -> None:
+    """The log line of `window`'s steps (rank 0: its history row, the batch shapes, compiled graphs)."""
+    m = t.metrics.log_window(window, sums)
+    if t.rank == 0:
+        p, compiler = t.progress, t.device_setup.compiler
+        p.history_train.append([float(p.step), m["train/loss"], m["train/nll"], m["train/lr"]])
+        t.metrics.log({"train/batch_shapes": float(len(t.batcher.shapes)), **(
+            {"train/compiled_graphs": float(compiler.num_graphs)} if compiler is not None else {})})
+
+
+def record_dev_loss(t: Trainer, sums: list[float]) -> float | None:
+    """The dev loss of the workers' added sums, logged and kept in the history; None without one."""
+    m = DevLoss.metrics(sums)
+    if m is None:
+        return None
+    p = t.progress
+    p.history_val.append([float(p.step), m["val/loss"], m["val/nll"]])
+    t.metrics.log(m)
+    if t.rank == 0:
+        log.info("step %d/%d | val loss %.4f | val ppl %.2f", p.step, t.tc.max_steps, m["val/loss"],
+                 m["val/ppl"])
+    return m["val/loss"]
+
+
+def log_start(t: Trainer) -> None:
+    """World size and accumulation at the resume step (elastic runs change them), and where it starts."""
+    p, tc = t.progress, t.tc
+    previous_world, p.world_size = p.world_size or None, t.world
+    group, _ = t.plan.at(p.epoch, p.step_in_epoch)
+    if group is not None:
+        accum = t.plan.accum(group, t.world, t.speed.max_tokens_per_batch)
+        elastic.log_start(t.metrics.tracker, t.rank, p.step, t.world, accum, previous_world)
+    if t.rank == 0:
+        log.info("training from step %d to %d on %d worker(s), %s; %d pairs kept, %d dropped "
+                 "(> train.max_len=%d pieces); %d steps in epoch %d", p.step, tc.max_steps, t.world,
+                 t.device_setup.precision, len(t.plan.rows), t.plan.num_dropped, tc.max_len,
+                 len(t.plan.groups(p.epoch)), p.epoch)
 
 
 def summary(t: Trainer) -> dict[str, Any]:

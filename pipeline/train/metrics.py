@@ -1,9 +1,9 @@
 """Training metrics: the window of steps since the last log line, and what a log step does.
 
-`Window` sums a step's loss, nll and token counts on the device (no sync). On a log step,
-`TrainLog.log_window` all-reduces the sums once, writes the progress line, appends to the
-metric history kept in checkpoints, and sends the metrics to MLflow from rank 0. `TrainLog.log`
-does the same for any other metrics (validation). MLflow is imported lazily, and a tracking
+`Window` sums a step's loss, nll and token counts on the device (no sync). On a log step the
+sums are added over the workers in the step's agreement (`pipeline.train.agreement`), and
+`TrainLog.log_window` turns them into the progress line and the metrics rank 0 sends to MLflow
+(the loop keeps their history in `Progress`). `TrainLog.log` sends any other metrics. MLflow is imported lazily, and a tracking
 failure never stops training.
 """
 
@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from pipeline.train.checkpoint import Progress
 
@@ -49,44 +48,35 @@ class Window:
             self.grad_norm = grad_norm
 
 
-def all_reduce_sum(values: torch.Tensor, device: torch.device, world: int) -> list[float]:
-    """Sum `values` over the workers (float64); the host copy waits for the device."""
-    t = values.to(device, torch.float64)
-    if world > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
 class TrainLog:
     """Rank 0's metrics: the progress line, the history kept in checkpoints, MLflow."""
 
-    def __init__(self, progress: Progress, max_steps: int, rank: int, world: int, device: torch.device,
-                 tracking_uri: str | None, run_id: str | None, buffer_s: float = 1800.0,
-                 spool_dir: str | None = None):
-        self.progress, self.max_steps = progress, max_steps
-        self.rank, self.world, self.device = rank, world, device
+    def __init__(self, progress: Progress, max_steps: int, rank: int, tracking_uri: str | None, run_id: str | None,
+                 buffer_s: float = 1800.0, spool_dir: str | None = None):
+        self.progress, self.max_steps, self.rank = progress, max_steps, rank
         self.tracker = _make_tracker(tracking_uri, run_id, buffer_s, spool_dir) if rank == 0 else None
         self.last: dict[str, float] = {}  # the latest value of every metric (reported with checkpoints)
         self._warned = False
 
-    def log_window(self, w: Window) -> None:
-        """One log line for the steps of `w` (every rank takes part in the all-reduce)."""
-        loss, nll = all_reduce_sum(torch.stack([w.loss, w.nll]), self.device, self.world)
+    def log_window(self, w: Window, sums: list[float]) -> dict[str, float] | None:
+        """Rank 0: the log line and metrics of the steps of `w`, whose loss and nll `sums` (added
+        over the workers) the step's agreement gave; the metrics (None on the other ranks)."""
         if self.rank != 0:
-            return
-        p, elapsed = self.progress, time.perf_counter() - w.start
+            return None
+        loss, nll = sums
+        elapsed = time.perf_counter() - w.start
         step_time = elapsed / max(w.steps, 1)
         m = {"train/loss": loss / w.tokens_tgt, "train/nll": nll / w.tokens_tgt,
              "train/ppl": math.exp(min(nll / w.tokens_tgt, 50.0)), "train/lr": w.lr,
              "train/grad_norm": w.grad_norm,
              "train/tgt_tokens_per_s": w.tokens_tgt / elapsed, "train/src_tokens_per_s": w.tokens_src / elapsed,
              "train/step_time_s": step_time}
-        p.history_train.append([float(p.step), m["train/loss"], m["train/nll"], m["train/lr"]])
         self.log(m)
-        eta = (self.max_steps - p.step) * step_time
+        step = self.progress.step
         log.info("step %d/%d | loss %.4f | nll %.4f | lr %.3g | %.0f tgt tok/s | %.3f s/step | ETA %s",
-                 p.step, self.max_steps, m["train/loss"], m["train/nll"], w.lr,
-                 m["train/tgt_tokens_per_s"], step_time, hms(eta))
+                 step, self.max_steps, m["train/loss"], m["train/nll"], w.lr,
+                 m["train/tgt_tokens_per_s"], step_time, hms((self.max_steps - step) * step_time))
+        return m
 
     def log(self, metrics: dict[str, float]) -> None:
         """Metrics at the current step: kept as the latest values and sent to MLflow (rank 0)."""

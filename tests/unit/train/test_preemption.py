@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeline.train import preemption
+from pipeline.train.agreement import Local, StepAgreement
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer, train_worker
 from tests.unit.train.test_loop import one_thread, shards, tiny_spec  # noqa: F401 (fixtures)
 
@@ -80,17 +81,21 @@ def test_a_notice_shorter_than_a_save_stops_without_a_checkpoint(shards, tmp_pat
 def _rank(rank: int, port: int, notice_rank: int, notice_step: int, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        a = preemption.Agreement(grace_s=25.0, rank=rank, world_size=2)
+        agreement, notice = StepAgreement(2), preemption.Notice(grace_s=25.0, rank=rank)
         for step in range(1, 10):
             time.sleep(0.01 * (rank + 1))  # the ranks reach each boundary at different times
             if rank == notice_rank and step == notice_step:
                 preemption._on_sigterm(signal.SIGTERM, None)
-            a.observe(step_s=0.5 * (rank + 1), save_s=2.0 if rank == 0 else 0.0)
-            stop, fits = a.after_step(step)
+            notice.observe(step_s=0.5 * (rank + 1), save_s=2.0 if rank == 0 else 0.0)
+            left, step_and_save, save = notice.local(step)
+            agreed = agreement.exchange(Local(grace_left_s=left, step_and_save_s=step_and_save, save_s=save),
+                                        blocking=False)  # an ordinary step: neither logs nor validates
+            stop, fits = preemption.decide(agreed, step, rank)
             if stop:
                 out.put((rank, step, fits))
                 break
-        a.close()
+        agreement.close()
+        notice.close()
     finally:
         dist.destroy_process_group()
 
