@@ -309,8 +309,8 @@ class Config:
 
     def section_for_cache(self, name: str) -> dict[str, Any]:
         """The values of one section that change a stage's output (``cache=False`` fields left out).
-        An unset (None) value is keyed as 0: model.d_k / d_v spelled "unset" 0 before they took
-        None (0 is no longer valid), so the keys of earlier runs still hold."""
+        An unset (None) value is keyed as 0 (model.d_k / d_v), the spelling of "unset" in the keys of
+        work dirs already on disk, so those keys still hold."""
         section = getattr(self, name)
         return {f.name: 0 if getattr(section, f.name) is None else getattr(section, f.name)
                 for f in dataclasses.fields(section)
