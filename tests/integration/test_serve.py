@@ -132,7 +132,7 @@ def test_concurrent_clients_each_get_their_own_sentences_translated(server, tiny
     (b'{"text": ["a"], "text": ["b"]}', 400, "duplicate key 'text'"),
     (_json({"text": ["a"], "beam": 100}), 422, "unknown key(s) in the request body: 'beam'"),
     (_json({"text": ["a" * 10] * 3, "pad": "x" * MAX_BYTES}), 413, f"(Content-Length); at most {MAX_BYTES}"),
-    # The page's options (issue 38): attention for one sentence of a bounded length, the limits named.
+    # The page's options: attention for one sentence of a bounded length, the limits named.
     (_json({"text": ["a", "b"], "attention": True}), 422, "one sentence per request; this one has 2"),
     (_json({"text": ["word " * 70], "attention": True}), 413, "at most 128 pieces (eos included; max_attention_pieces)"),
     (_json({"text": ["   "], "attention": True}), 422, "needs a sentence with some text"),
