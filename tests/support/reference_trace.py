@@ -75,7 +75,8 @@ def _write_split(sp, out: Path, split: str, limit: int | None = None) -> Path:
 
 
 def encode_multi30k(root: Path) -> dict[str, Path]:
-    """SentencePiece (8000 BPE, our ids) on both sides of the training text, then the three splits."""
+    """SentencePiece (8000 BPE, our ids) on both sides of the training text, then the training split
+    and the first 256 pairs of the dev split."""
     import sentencepiece as spm
 
     root.mkdir(parents=True, exist_ok=True)
@@ -84,8 +85,7 @@ def encode_multi30k(root: Path) -> dict[str, Path]:
                                    model_type="bpe", character_coverage=1.0, pad_id=0, unk_id=1, bos_id=2,
                                    eos_id=3, num_threads=1, minloglevel=2)
     sp = spm.SentencePieceProcessor(model_file=str(root / "spm.model"))
-    return {"train": _write_split(sp, root / "train", "train"), "dev": _write_split(sp, root / "dev", "val", 256),
-            }
+    return {"train": _write_split(sp, root / "train", "train"), "dev": _write_split(sp, root / "dev", "val", 256)}
 
 
 def _beams(tiny: dict) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
@@ -123,8 +123,8 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
 
 def trace(root: Path) -> dict:
     """Both fixtures, computed now under `root` (a scratch folder)."""
-    from model import ModelConfig
     from pipeline.config import load_config
+    from pipeline.models import model_config_for
     from pipeline.train.loop import LocalSession, LoopSpec, Trainer
     from tests.support.tiny_model import train_tiny_model
 
@@ -135,9 +135,7 @@ def trace(root: Path) -> dict:
         cfg.train.max_steps, cfg.metrics.log_interval_steps, cfg.speed.precision = TRAIN_STEPS, 1, "fp32"
         cfg.metrics.val_loss_interval_steps = cfg.checkpoint.interval_steps = TRAIN_STEPS
         cfg.eval.dev_bleu = False
-        mc = ModelConfig(vocab_size=8000, d_model=cfg.model.d_model, d_ff=cfg.model.d_ff, n_heads=cfg.model.n_heads,
-                         n_encoder_layers=cfg.model.n_encoder_layers, n_decoder_layers=cfg.model.n_decoder_layers,
-                         dropout=cfg.model.dropout, max_positions=cfg.model.max_positions)
+        mc = model_config_for(cfg, {"vocab_size": 8000})
         spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(splits["train"]),
                         dev_dir=str(splits["dev"]), num_threads=1)
         session = LocalSession(root / "ckpt")
