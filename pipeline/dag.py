@@ -5,9 +5,9 @@
 ``eval.backend = "ctranslate2"`` path decodes with its CTranslate2 model.
 
 Each row names the config values that go into the stage's cache key and the stages it reads.
-The keys (``compute_keys``) and where a key's output lives (``stage_dir``, ``read_manifest``) are
-here too, in the core: the runner plans with them, and ``pipeline/models.py`` finds a config's
-model with them.
+The keys (``compute_keys``; ``keys_in_work_dir``, which keeps outputs made under a stage's earlier
+key rule) and where a key's output lives (``stage_dir``, ``read_manifest``) are here too, in the
+core: the runner plans with them, and ``pipeline/models.py`` finds a config's model with them.
 The ``outputs`` each stage records in its manifest (what downstream stages rely on) are listed
 in ``docs/stages.md``.
 """
@@ -17,15 +17,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any
+import logging
+from typing import Any, Collection
 
 from pipeline import storage
 from pipeline.config import Config, DecodeSettings
 from pipeline.stage import MANIFEST, Manifest, Stage
 
-_DATA_SOURCE = ("data.source", "data.src_lang", "data.tgt_lang", "data.mirror",
+log = logging.getLogger(__name__)
+
+_DATA_SOURCE = ("data.source", "data.src_lang", "data.tgt_lang",
                 "data.train_src", "data.train_tgt", "data.dev_src", "data.dev_tgt",
                 "data.test_src", "data.test_tgt")
+# Where the files come from (data.mirror) decides the data only for WMT14: its archives are checked
+# against the mirror's own SHA256SUMS, and the offline stand-in mirror holds samples, not statmt.org's
+# bytes. Multi30k's files are each checked against the sha256 pinned in pipeline/data/sources.py, so
+# a mirror cannot change them (an operational value, like download_timeout_s); "custom" reads none.
+# Work dirs downloaded while every source keyed it are still used (keys_in_work_dir).
+_MIRROR_IF_WMT14 = (("data.source", "wmt14", ("data.mirror",)),)
 _CLEANING = ("data.preprocess", "data.max_words", "data.max_length_ratio", "data.dedup",
              "data.max_pairs_per_corpus", "data.num_shards")
 
@@ -37,7 +46,8 @@ _DEV_BLEU = ("eval.average_select", "eval.dev_bleu_sentences", "eval.dev_bleu_en
              "eval.dev_bleu_quantization", "eval.dev_bleu_beam_size", *_DECODE)
 
 STAGES: tuple[Stage, ...] = (
-    Stage("download", "1", _DATA_SOURCE, (), "pipeline.data.download:run", checksum_files=False),
+    Stage("download", "1", _DATA_SOURCE, (), "pipeline.data.download:run", checksum_files=False,
+          reads_if=_MIRROR_IF_WMT14, formerly_reads=("data.mirror",)),
     Stage("prepare", "1", _CLEANING, ("download",), "pipeline.data.prepare:run"),
     Stage("vocab", "1", ("vocab",), ("prepare",), "pipeline.data.vocab:run"),
     Stage("encode", "1", (), ("prepare", "vocab"), "pipeline.data.encode:run"),
@@ -92,12 +102,35 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def compute_keys(cfg: Config) -> dict[str, str]:
+def compute_keys(cfg: Config, former: Collection[str] = ()) -> dict[str, str]:
+    """Each stage's cache key from the config alone; the stages named in ``former`` keyed by their
+    earlier rule (``Stage.formerly_reads``), and so the stages after them by their keys."""
     keys: dict[str, str] = {}
     for s in STAGES:
-        material = {"stage": s.name, "version": s.version, "config": s.key_material(cfg),
+        material = {"stage": s.name, "version": s.version, "config": s.key_material(cfg, s.name in former),
                     "upstream": {u: keys[u] for u in s.upstream}}
         keys[s.name] = _digest(material)[:16]
+    return keys
+
+
+def keys_in_work_dir(cfg: Config) -> dict[str, str]:
+    """The keys a run plans with and a lookup reads (the runner, ``pipeline/models.py``):
+    ``compute_keys``, except where a stage has no finished output under its key but has one under
+    the key its earlier rule gives (``Stage.formerly_reads``): that key is kept, and the keys of the
+    stages after it follow from it, so a work dir made before the rule changed is used as it is
+    (nothing is moved or rewritten). Reads only the manifests of stages with an earlier rule."""
+    keys, former = compute_keys(cfg), set[str]()
+    for s in STAGES:
+        if not s.formerly_reads:
+            continue
+        old = compute_keys(cfg, former | {s.name})
+        if (old[s.name] == keys[s.name] or read_manifest(stage_dir(cfg, s.name, keys[s.name]), keys[s.name])
+                or not read_manifest(stage_dir(cfg, s.name, old[s.name]), old[s.name])):
+            continue
+        log.info("stage %s: using its output under key %s, the key its earlier rule gives (it read %s); "
+                 "a fresh work dir uses key %s", s.name, old[s.name], ", ".join(s.formerly_reads), keys[s.name])
+        former.add(s.name)
+        keys = old
     return keys
 
 

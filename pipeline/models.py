@@ -5,7 +5,7 @@ the vocab stage's vocabulary) is ``model_config_for``'s.
 Three ways to name a model, exactly one per call:
 
 - ``config=`` (one or more TOML files, plus the ``--section.key=value`` overrides the run used):
-  the DAG's own cache keys for that config (``pipeline.dag.compute_keys``) name the exact
+  the DAG's own cache keys for that config (``pipeline.dag.keys_in_work_dir``) name the exact
   ``average``, ``vocab`` and ``export`` outputs under its ``run.work_dir`` (``work_dir=`` replaces
   it: a local path or ``s3://``). Each stage on the way must have finished with that key and be
   current (its recorded upstream manifests are the ones there now); otherwise the error names
@@ -26,7 +26,7 @@ from typing import Any, Sequence
 from model import ModelConfig
 from pipeline import storage
 from pipeline.config import Config
-from pipeline.dag import BY_NAME, ORDER, compute_keys, manifest_digest, read_manifest, stage_dir, upstream_closure
+from pipeline.dag import BY_NAME, ORDER, keys_in_work_dir, manifest_digest, read_manifest, stage_dir, upstream_closure
 from pipeline.stage import MANIFEST, Manifest
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def finished_stages(cfg: Any, names: Sequence[str], origin: str,
     """The manifests of ``names`` (and of every stage they read) at ``cfg``'s keys, each finished
     and current, or the error naming the first stage that is not (not run with this config, or
     stale: an upstream stage was rerun after it); ``known``: ones already found so (not read again)."""
-    keys = compute_keys(cfg)
+    keys = keys_in_work_dir(cfg)
     wanted = set(names).union(*(upstream_closure(n) for n in names))
     out: dict[str, Manifest] = dict(known or {})
     for name in [n for n in ORDER if n in wanted and n not in out]:

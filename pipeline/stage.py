@@ -100,6 +100,9 @@ class Stage:
     # Keys read only in one mode: ((key, value, extra reads), ...) adds the extra reads when
     # cfg's `key` equals `value` (so the other modes keep the keys they had).
     reads_if: tuple[tuple[str, Any, tuple[str, ...]], ...] = ()
+    # Keys the stage's cache key read under an earlier rule that no longer reads them: an output
+    # finished under the key that rule gives is still used (``pipeline.dag.keys_in_work_dir``).
+    formerly_reads: tuple[str, ...] = ()
 
     def load(self) -> Callable[[StageContext], StageResult]:
         return self._resolve(self.impl)
@@ -127,14 +130,17 @@ class Stage:
             raise NotImplementedStage(f"stage '{self.name}' is not implemented ({spec} missing)")
         return fn
 
-    def key_material(self, cfg: Config) -> dict[str, Any]:
-        """The config values this stage reads (operational ``cache=False`` fields left out)."""
+    def key_material(self, cfg: Config, former: bool = False) -> dict[str, Any]:
+        """The config values this stage reads (operational ``cache=False`` fields left out);
+        ``former``: as the earlier rule read them (``formerly_reads`` too)."""
         out: dict[str, Any] = {}
         reads = list(self.reads)
         for key, value, extra in self.reads_if:
             section, name = key.split(".", 1)
             if getattr(getattr(cfg, section), name) == value:
                 reads += [r for r in extra if r not in reads]
+        if former:
+            reads += [r for r in self.formerly_reads if r not in reads]
         for item in reads:
             if "." in item:
                 section, key = item.split(".", 1)

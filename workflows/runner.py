@@ -16,8 +16,9 @@ from typing import Any
 
 from pipeline import storage
 from pipeline.config import Config
-from pipeline.dag import (BY_NAME, ORDER, STAGES, compute_keys, downstream, manifest_digest, read_manifest,
+from pipeline.dag import (BY_NAME, ORDER, STAGES, downstream, keys_in_work_dir, manifest_digest, read_manifest,
                           stage_dir, upstream_closure)
+from pipeline.dag import compute_keys  # noqa: F401 - re-exported (the sweep, tests)
 from pipeline.stage import MANIFEST, Manifest, NotImplementedStage, Stage, StageContext
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
     for name in (only, from_, to, *force):
         if name is not None and name not in BY_NAME:
             raise PlanError(f"unknown stage '{name}' (stages: {', '.join(ORDER)})")
-    keys = compute_keys(cfg)
+    keys = keys_in_work_dir(cfg)
     forced: dict[str, str] = {}
     for f in force:
         for d in downstream(f):

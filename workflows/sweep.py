@@ -82,7 +82,7 @@ def run_data_stages(rows: list[Row], tracking: Any) -> None:
     row changes data.* or vocab.*), before any branch starts: no two branches run them."""
     seen: set[tuple[str, ...]] = set()
     for row in rows:
-        keys = runner.compute_keys(row.cfg)
+        keys = runner.keys_in_work_dir(row.cfg)
         signature = tuple(keys[s] for s in DATA_STAGES)
         if signature in seen:
             continue
@@ -96,7 +96,7 @@ def branches(rows: list[Row]) -> list[list[Row]]:
     """The rows grouped by train key (in order): one branch per key."""
     groups: dict[str, list[Row]] = {}
     for row in rows:
-        groups.setdefault(runner.compute_keys(row.cfg)["train"], []).append(row)
+        groups.setdefault(runner.keys_in_work_dir(row.cfg)["train"], []).append(row)
     return list(groups.values())
 
 

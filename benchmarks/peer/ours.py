@@ -48,7 +48,7 @@ def run_logged(cmd: list[str], logfile: Path, cwd: Path, echo: re.Pattern | None
 def run_ours(args: argparse.Namespace, steps: int, ckpt: int) -> dict[str, Any]:
     """Our workflow up to ``score``; its resolved config and the manifests of the stages compared."""
     from pipeline.config import load_config
-    from pipeline.dag import compute_keys, read_manifest, stage_dir
+    from pipeline.dag import keys_in_work_dir, read_manifest, stage_dir
 
     overrides = our_overrides(args, steps, ckpt)
     cmd = [sys.executable, "workflows/reproduce_base.py", "--config", str(args.config), "--to", "score", *overrides]
@@ -58,7 +58,7 @@ def run_ours(args: argparse.Namespace, steps: int, ckpt: int) -> dict[str, Any]:
     if rc != 0:
         raise SystemExit(f"our workflow failed (exit {rc}); see {Path(args.work_dir) / 'peer_eole.ours.log'}")
     cfg = load_config([args.config], overrides)
-    keys = compute_keys(cfg)
+    keys = keys_in_work_dir(cfg)
     manifests = {}
     for stage in ("download", "prepare", "vocab", "train", "average", "translate", "score"):
         m = read_manifest(stage_dir(cfg, stage, keys[stage]), keys[stage])

@@ -52,6 +52,7 @@ class DataConfig:
     # Replaces http://statmt.org/ for every WMT14 file: a URL or a local folder with the same
     # relative paths (wmt13/..., wmt14/...). Empty = the real statmt.org URLs. Multi30k: replaces
     # https://github.com/multi30k/dataset/raw/<commit>/ (a folder holding data/task1/raw/...).
+    # In download's cache key for WMT14 only (pipeline/dag.py says why).
     mirror: str = ""
     # Text preprocessing applied by prepare to every split before cleaning, as a benchmark defines
     # it. "lowercase_moses": Multi30k's scripts/task1-tokenize.sh (lowercase, Moses punctuation

@@ -33,3 +33,48 @@ def test_every_shipped_config_is_recorded():
 def test_cache_keys_are_the_recorded_ones(name, monkeypatch):
     monkeypatch.chdir(ROOT)  # a relative data.mirror would resolve against the working directory
     assert compute_keys(_config(name)) == CASES[name]
+
+
+def test_a_mirror_keys_the_wmt14_download_only(monkeypatch):
+    """A Multi30k file is checked against its pinned sha256 wherever it comes from; a WMT14 mirror's
+    archives are checked against the mirror's own SHA256SUMS (the offline stand-in holds samples)."""
+    monkeypatch.chdir(ROOT)
+    for name, keyed in (("configs/multi30k-tiny.toml", False), ("configs/local.toml", True)):
+        plain, mirrored = (compute_keys(load_config(name, o)) for o in ([], ["--data.mirror=/a/mirror"]))
+        assert (plain["download"] != mirrored["download"]) is keyed, name
+        assert (plain["average"] != mirrored["average"]) is keyed, name  # and so every stage after it
+
+
+@pytest.mark.parametrize("name", sorted(RECORDED["_former"]))
+def test_the_former_rule_gives_the_keys_recorded_under_it(name, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert compute_keys(_config(name), former={"download"}) == RECORDED["_former"][name]
+
+
+def test_a_work_dir_made_under_the_former_rule_is_used_as_it_is(tmp_path, monkeypatch):
+    """A Multi30k work dir whose stages finished at the keys recorded before download stopped keying
+    data.mirror: the plan finds each stage cached at its old key (nothing moved or rerun), the
+    model is found there, and a fresh work dir gets the new keys."""
+    from pipeline.dag import ORDER, STAGES, stage_dir
+    from pipeline.models import find_model
+    from pipeline.stage import NullTracker, StageResult
+    from workflows import runner
+
+    monkeypatch.chdir(ROOT)
+    name = "configs/multi30k-tiny.toml"
+    old, new = RECORDED["_former"][name], CASES[name]
+    cfg = load_config(name, [f"--run.work_dir={tmp_path / 'old'}"])
+    outputs = {"vocab": {"model": "/old/spm.model"},
+               "average": {"model": "/old/avg/model.pt", "model_config": {"vocab_size": 100}}}
+    done: dict = {}
+    for stage in STAGES[: ORDER.index("average") + 1]:  # the runner writes each at its former key
+        p = runner.StagePlan(stage, old[stage.name], stage_dir(cfg, stage.name, old[stage.name]), "run", "before")
+        result = StageResult(outputs=outputs.get(stage.name, {}))
+        done[stage.name] = runner.run_stage(cfg, p, lambda ctx, r=result: r, {u: done[u] for u in stage.upstream},
+                                            NullTracker())
+    plans = {p.stage.name: p for p in runner.make_plan(cfg, to="average")}
+    assert {n: (p.key, p.action) for n, p in plans.items() if n in done} == {n: (old[n], "cached") for n in done}
+    files = find_model(config=[name], work_dir=str(tmp_path / "old"))
+    assert (files.model, files.spm) == ("/old/avg/model.pt", "/old/spm.model")
+    fresh = runner.make_plan(load_config(name, [f"--run.work_dir={tmp_path / 'new'}"]))
+    assert {p.stage.name: p.key for p in fresh} == new
