@@ -1,4 +1,5 @@
-# One entry point. `make run` = the whole DAG in local single-node mode; `make test` = the tests.
+# One entry point. `make run` = the whole DAG in local single-node mode; `make serve` = its model on a page;
+# `make test` = the tests.
 PYTHON ?= python3
 VENV ?= .venv
 # PyPI's Linux wheel of torch 2.13.0 is the CUDA build; set TORCH_SPEC (e.g. add
@@ -15,9 +16,14 @@ export MULTI30K_MIRROR
 MULTI30K_CONFIG ?= configs/multi30k-tiny.toml
 CONFIG ?= configs/local.toml
 ARGS ?=
+# Where `make run` and `make multi30k` record the config of a run that ends with a model
+# (pipeline/run_record.py); `make serve` serves that model, so no override is repeated.
+RUN_RECORD ?= work/last-run.json
+# More `serve run` arguments for `make serve`: backend=ctranslate2, beam_size=5, num_replicas=2, ...
+SERVE_ARGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: install run multi30k plan test test-unit test-slow test-extended ui bench clean
+.PHONY: install run multi30k serve plan test test-unit test-slow test-extended ui bench clean
 
 install: $(VENV)/.installed
 
@@ -33,13 +39,19 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: install
-	$(BIN)/python workflows/reproduce_base.py --config $(CONFIG) $(if $(WMT14_MIRROR),--data.mirror=$(WMT14_MIRROR),) $(ARGS)
+	$(BIN)/python workflows/reproduce_base.py --config $(CONFIG) --record $(RUN_RECORD) $(if $(WMT14_MIRROR),--data.mirror=$(WMT14_MIRROR),) $(ARGS)
 
 # The published Multi30k number on a CPU (README, "Reproduced here"): configs/multi30k-tiny.toml, the published
 # recipe, BLEU4 41.27 in 2.9 h on 2 cores with bf16 (AVX512-BF16). MULTI30K_CONFIG=configs/multi30k-fast.toml:
 # 37.7 in 48 min there; ~3.6 s per step instead of ~0.85 in fp32 on an AVX2-only CPU (~3 h).
 multi30k: install
-	$(BIN)/python workflows/reproduce_base.py --config $(MULTI30K_CONFIG) $(if $(MULTI30K_MIRROR),--data.mirror=$(MULTI30K_MIRROR),) $(ARGS)
+	$(BIN)/python workflows/reproduce_base.py --config $(MULTI30K_CONFIG) --record $(RUN_RECORD) $(if $(MULTI30K_MIRROR),--data.mirror=$(MULTI30K_MIRROR),) $(ARGS)
+
+# The model of the last `make run` / `make multi30k`, on Ray Serve until Ctrl-C: the page at
+# http://127.0.0.1:8000/ (Ray Serve prints "Application 'default' is ready at ..." when it answers).
+serve: install
+	@test -f $(RUN_RECORD) || { echo "make serve: no trained model yet ($(RUN_RECORD) is written when make run or make multi30k ends with one): run make run (minutes) or make multi30k first" >&2; exit 2; }
+	$(BIN)/serve run pipeline.serve.app:build_app run_record=$(RUN_RECORD) $(SERVE_ARGS)
 
 plan: install
 	$(BIN)/python workflows/reproduce_base.py --config $(CONFIG) $(if $(WMT14_MIRROR),--data.mirror=$(WMT14_MIRROR),) --plan $(ARGS)

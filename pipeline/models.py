@@ -2,7 +2,7 @@
 ``benchmarks/decode_bench.py`` all call ``find_model``. A config's own `ModelConfig` (its sizes at
 the vocab stage's vocabulary) is ``model_config_for``'s.
 
-Three ways to name a model, exactly one per call:
+Four ways to name a model, exactly one per call:
 
 - ``config=`` (one or more TOML files, plus the ``--section.key=value`` overrides the run used):
   the DAG's own cache keys for that config (``pipeline.dag.keys_in_work_dir``) name the exact
@@ -11,6 +11,9 @@ Three ways to name a model, exactly one per call:
   current (its recorded upstream manifests are the ones there now); otherwise the error names
   the stage. Nothing is guessed from file times, so a work dir shared by several configs (the
   Table 3 runner) serves the config you named.
+- ``run_record=`` (a file ``workflows/reproduce_base.py --record`` wrote; ``make serve``'s
+  ``work/last-run.json``): the model of the run that wrote it, found as ``config=`` finds one, with
+  the run's resolved config (``pipeline.run_record``), so no override is repeated.
 - ``model_uri=models:/<name>/<version>`` or ``models:/<name>@<alias>``: a version of the MLflow
   Model Registry (the ``register`` stage's), downloaded through ``pipeline.registry``.
 - explicit paths: ``model_dir`` (an ``average`` output or a checkpoint folder) and ``spm``, and
@@ -76,20 +79,23 @@ class ModelFiles:
 
 
 def find_model(*, config: Sequence[str] = (), overrides: Sequence[str] = (), work_dir: str = "",
-               model_uri: str = "", tracking_uri: str = "", model_dir: str = "", spm: str = "",
-               ct2_model: str = "", download_dir: str | None = None) -> ModelFiles:
-    """The model named by exactly one of ``config``, ``model_uri`` or ``model_dir`` + ``spm``
-    (a registry version is downloaded into ``download_dir``, default a new temporary folder)."""
-    named = [n for n, v in (("config", config), ("model", model_uri), ("model_dir", model_dir)) if v]
+               run_record: str = "", model_uri: str = "", tracking_uri: str = "", model_dir: str = "",
+               spm: str = "", ct2_model: str = "", download_dir: str | None = None) -> ModelFiles:
+    """The model named by exactly one of ``config``, ``run_record``, ``model_uri`` or ``model_dir``
+    + ``spm`` (a registry version is downloaded into ``download_dir``, default a new temporary folder)."""
+    named = [n for n, v in (("config", config), ("run_record", run_record), ("model", model_uri),
+                            ("model_dir", model_dir)) if v]
     if len(named) != 1:
-        raise ModelNotFound(f"name one model: config=..., model=models:/..., or model_dir=... spm=... "
-                            f"(got {', '.join(named) or 'none'}"
+        raise ModelNotFound(f"name one model: config=..., run_record=..., model=models:/..., or model_dir=... "
+                            f"spm=... (got {', '.join(named) or 'none'}"
                             f"{'; work_dir alone names no model: add the config=... it ran with' if work_dir else ''})")
     if config:
         from pipeline.config import load_config
 
         cfg = load_config(list(config), [*overrides, *([f"--run.work_dir={work_dir}"] if work_dir else [])])
         return from_config(cfg, f"config {', '.join(config)}")
+    if run_record:
+        return from_run_record(run_record, work_dir)
     if model_uri:
         return from_registry(model_uri, tracking_uri, download_dir)
     if not spm:
@@ -164,6 +170,19 @@ def from_config(cfg: Any, origin: str) -> ModelFiles:
     files.ct2 = {k[len("ct2_"):]: v for k, v in export.items() if k.startswith("ct2_")}
     files.hf = export.get("hf", "")
     return files
+
+
+def from_run_record(path: str, work_dir: str = "") -> ModelFiles:
+    """The model of the run that wrote the record at ``path`` (``work_dir``: where its work dir is now)."""
+    from pipeline import run_record
+
+    try:
+        record = run_record.read(path)
+    except run_record.NoRunRecord as e:
+        raise ModelNotFound(str(e)) from None
+    if work_dir:
+        record.config.run.work_dir = work_dir
+    return from_config(record.config, f"the run of {record.command} (recorded in {path})")
 
 
 def from_registry(model_uri: str, tracking_uri: str = "", dst: str | None = None) -> ModelFiles:

@@ -6,7 +6,8 @@
 The other rows of Table 2 are one config away: configs/big.toml, configs/enfr-base.toml,
 configs/enfr-big.toml; add ``--config configs/cluster-overlay.toml`` after any of them for the cluster.
 
-Flags: --plan (print what would run and why), --only STAGE, --from STAGE, --to STAGE, --force STAGE.
+Flags: --plan (print what would run and why), --only STAGE, --from STAGE, --to STAGE, --force STAGE,
+--record FILE (``make run`` / ``make multi30k``: work/last-run.json, which ``make serve`` serves).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python workflows/reproduce_base.py` puts workflows/ first, not the repo
     sys.path.insert(0, str(REPO))
 
-from pipeline import storage  # noqa: E402
+from pipeline import run_record, storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
 from pipeline.dag import ORDER  # noqa: E402
 from pipeline.stage import NotImplementedStage  # noqa: E402
@@ -47,6 +48,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--to", choices=ORDER, help="stop after this stage (e.g. --to encode prepares the data only)")
     p.add_argument("--force", choices=ORDER, action="append", default=[],
                    help="rerun this stage (and what depends on it) even if cached; repeatable")
+    p.add_argument("--record", default="", metavar="FILE",
+                   help="when the run ends with a model (its average stage done), record its config in FILE "
+                        "(pipeline/run_record.py), so that `serve run ... run_record=FILE` (make serve) serves it")
     args, rest = p.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a and "." in a.split("=", 1)[0])]
     if bad:
@@ -86,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             with session.parent_run({"config_file": ", ".join(args.config or []),
                                      "argv": " ".join(sys.argv[1:])}) as tracking:
                 manifests = runner.execute(cfg, plans, tracking)
+        if args.record and "average" in manifests:
+            run_record.write(args.record, cfg, args.config or [], overrides)
+            log.info("recorded this run's model in %s: serve it with `make serve` (or serve run "
+                     "pipeline.serve.app:build_app run_record=%s)", args.record, args.record)
         report = manifests["score"].outputs.get("report") if "score" in manifests else None
         if report:  # the one table a user looks for: ours next to the paper's
             print("\n" + storage.read_text(report), flush=True)

@@ -1,5 +1,6 @@
 """A Ray Serve application: ``POST /translate {"text": [...]}`` -> ``{"translations": [...]}``.
 
+    serve run pipeline.serve.app:build_app run_record=work/last-run.json            # the last run's model (make serve)
     serve run pipeline.serve.app:build_app config=configs/local.toml                 # the config's own model
     serve run pipeline.serve.app:build_app config=configs/base.toml work_dir=s3://bucket/wd backend=ctranslate2
     serve run pipeline.serve.app:build_app model=models:/transformer-base-en-de/1    # a registry version
@@ -60,7 +61,8 @@ class ServeSettings(DecodeSettings):
 
     config: str = ""  # pipeline config file(s), comma-separated: serve the model of their DAG plan
     overrides: str = ""  # with config: the run's --section.key=value overrides, space-separated
-    work_dir: str = ""  # with config: instead of its run.work_dir (a local path or s3://...)
+    work_dir: str = ""  # with config or run_record: instead of its run.work_dir (a local path or s3://...)
+    run_record: str = ""  # a run's record (reproduce_base.py --record; make serve: work/last-run.json): its model
     model: str = ""  # models:/<name>/<version> or models:/<name>@<alias> (the MLflow Model Registry)
     tracking_uri: str = ""  # with model: the registry's MLflow (default: MLFLOW_TRACKING_URI)
     model_dir: str = ""  # explicit paths: an `average` output dir (model.pt + model_config.json) ...
@@ -109,7 +111,7 @@ def find_files(s: ServeSettings, download_dir: str | None = None) -> Any:
     from pipeline.models import find_model
 
     return find_model(config=[c for c in s.config.split(",") if c], overrides=s.overrides.split(),
-                      work_dir=s.work_dir, model_uri=s.model, tracking_uri=s.tracking_uri,
+                      work_dir=s.work_dir, run_record=s.run_record, model_uri=s.model, tracking_uri=s.tracking_uri,
                       model_dir=s.model_dir, spm=s.spm, ct2_model=s.ct2_model, download_dir=download_dir)
 
 

@@ -43,7 +43,7 @@ def test_multi30k_config_end_to_end(tmp_path, multi30k_dir, capsys, monkeypatch)
     monkeypatch.chdir(reproduce_base.REPO)
     work = tmp_path / "work"
     rc = reproduce_base.main(["--config", "configs/multi30k-tiny.toml", f"--run.work_dir={work}",
-                              f"--data.mirror={multi30k_dir}", *SMALL])
+                              f"--data.mirror={multi30k_dir}", *SMALL, f"--record={tmp_path / 'last-run.json'}"])
     out = capsys.readouterr().out
     assert rc == 0, out
 
@@ -99,6 +99,9 @@ def test_multi30k_config_end_to_end(tmp_path, multi30k_dir, capsys, monkeypatch)
     files = find_model(config=["configs/multi30k-tiny.toml"],
                        overrides=[f"--run.work_dir={work}", f"--data.mirror={multi30k_dir}", *SMALL])
     assert files.text == {"preprocess": "lowercase_moses", "src_lang": "en", "tgt_lang": "de"}
+    recorded = find_model(run_record=str(tmp_path / "last-run.json"))  # make serve's lookup: no override repeated
+    assert (recorded.model, recorded.spm, recorded.text, recorded.scores) == (files.model, files.spm, files.text,
+                                                                              files.scores)
     tr = Translator(files.model, files.model_config, files.spm, {"beam_size": 2, "max_len_b": 10}, text=files.text)
     hyps, _ = translate_lines(tr, raw, 4000)
     direct = tr.translate_ids([tr.sp.encode(task1_tokenize(r, "en")) + [tr.cfg.eos_id] for r in raw])

@@ -372,3 +372,61 @@ def test_the_page_names_the_limit_a_sentence_breaks(server, browser):
     _wait(browser, lambda d: d.find_element(By.ID, "error").text != "")
     assert browser.find_element(By.ID, "error").text.startswith("413: ")
     assert "at most 128 pieces" in browser.find_element(By.ID, "error").text
+
+
+def test_make_serve_opens_the_page_on_the_last_runs_model(server, browser, tiny_model, tmp_path):
+    """`make serve` after a run: the Makefile's own command line, given nothing but the record the
+    run's driver wrote (`reproduce_base.py --record`), serves the run's model; no override is
+    repeated, though the run's --data.mirror is in its keys (the config alone names no model). The
+    page at the address Ray Serve prints opens on that model and translates. With no record,
+    `make serve` names what to run first. (On the test session's Ray and Serve: RAY_ADDRESS, and
+    `serve run`'s own --non-blocking, --name and --route-prefix through SERVE_ARGS.)"""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import ray
+    from ray import serve
+    from selenium.webdriver.common.by import By
+
+    from pipeline import run_record
+    from pipeline.config import load_config
+    from pipeline.models import ModelNotFound, find_model
+    from tests.support.fake_run import fake_run
+
+    repo, record = Path(__file__).resolve().parents[2], tmp_path / "last-run.json"
+    overrides = [f"--run.work_dir={tmp_path / 'work'}", f"--data.mirror={tmp_path / 'mirror'}"]
+    cfg = load_config("configs/local.toml", overrides)
+    fake_run(cfg, {"vocab": {"model": tiny_model["spm"]},
+                   "average": {"model": tiny_model["model"], "model_config": tiny_model["model_config"]}}, to="average")
+    with pytest.raises(ModelNotFound, match="stage 'download' has not finished"):
+        find_model(config=["configs/local.toml"], work_dir=str(tmp_path / "work"))
+    run_record.write(str(record), cfg, ["configs/local.toml"], overrides)  # what the driver's --record writes
+
+    make = ["make", "-o", "install", "serve", f"VENV={sys.prefix}"]  # this venv, installed already
+    none = subprocess.run([*make, f"RUN_RECORD={tmp_path / 'none.json'}"], cwd=repo, capture_output=True, text=True)
+    assert none.returncode == 2 and "run make run (minutes) or make multi30k first" in none.stderr, none.stderr
+    args = "num_cpus_per_replica=0.5 max_len_b=20 --non-blocking --name=make-serve --route-prefix=/make-serve"
+    done = subprocess.run([*make, f"RUN_RECORD={record}", f"SERVE_ARGS={args}"], cwd=repo, capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address})
+    out = done.stdout + done.stderr
+    try:
+        assert done.returncode == 0, out[-4000:]
+        page = re.search(r"Application 'make-serve' is ready at (http://\S+)\.$", out, re.M)[1] + "/"
+        with urllib.request.urlopen(f"{page}health", timeout=30) as r:
+            origin = json.loads(r.read())["origin"]
+        assert origin.startswith(f"the run of configs/local.toml {' '.join(overrides)} (recorded in {record})")
+        sentence = "The house is small."
+        api = _post(f"{page}translate", _json({"text": [sentence]}))
+        browser.get(page)
+        _wait(browser, lambda d: "Model:" in d.find_element(By.ID, "model").text)
+        assert str(record) in browser.find_element(By.ID, "model").text  # the page states which run's model
+        browser.find_element(By.ID, "source").send_keys(sentence)
+        browser.find_element(By.ID, "translate").click()
+        _wait(browser, lambda d: d.find_element(By.ID, "translation").text.strip() != "")
+        assert api[0] == 200 and browser.find_element(By.ID, "translation").text == api[1]["translations"][0].strip()
+    finally:
+        serve.delete("make-serve")
