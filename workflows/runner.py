@@ -160,9 +160,10 @@ def format_plan(plans: list[StagePlan]) -> str:
 
 
 def format_bill(cfg: Config, plans: list[StagePlan], mfu_from: str = "") -> str:
-    """The train stage's bill for ``--plan`` (pipeline/plan/bill.py): at the cached vocab's size
-    and the cached encode stage's training lengths when there are, else at ``vocab.size`` and
-    stated assumed lengths."""
+    """The train stage's bill for ``--plan``: at the cached vocab's size and the cached encode
+    stage's training lengths when there are, else at ``vocab.size`` and stated assumed lengths.
+    This CPU's bill (pipeline/plan/cpu_bill.py) when the run trains on it, else the GPUs'
+    (pipeline/plan/bill.py)."""
     from pipeline.models import model_config_for
     from pipeline.plan import bill
     from pipeline.train.corpus import load_lengths
@@ -170,10 +171,14 @@ def format_bill(cfg: Config, plans: list[StagePlan], mfu_from: str = "") -> str:
     by_name = {p.stage.name: p for p in plans}
     vocab, encode = by_name["vocab"].manifest, by_name["encode"].manifest
     mc = model_config_for(cfg, vocab.outputs if vocab else {"vocab_size": cfg.vocab.size})
-    if encode is None:
-        return bill.make_bill(cfg, mc, mfu_from=mfu_from, shapes=True).format()
-    lengths = load_lengths(encode.outputs["splits"]["train"]["dir"])
-    return bill.for_lengths(cfg, mc, lengths, mfu_from, shapes=True).format()
+    lengths = load_lengths(encode.outputs["splits"]["train"]["dir"]) if encode else None
+    source = f"the encode stage's {len(lengths[0]):,} training pairs" if lengths else ""
+    if bill.trains_on_this_cpu(cfg):
+        from pipeline.plan.cpu_bill import make_cpu_bill
+        from pipeline.train.driver import local_cpu_training
+
+        return make_cpu_bill(cfg, mc, *local_cpu_training(cfg), lengths, source, shapes=True).format()
+    return bill.make_bill(cfg, mc, lengths, source, mfu_from, shapes=True).format()
 
 
 def _file_list(out_dir: str, checksum: bool) -> list[dict[str, Any]]:

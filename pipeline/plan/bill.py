@@ -1,4 +1,6 @@
-"""The bill of the train stage: FLOPs per step, wall time and GPU-hours to `train.max_steps`.
+"""The bill of the train stage on GPUs: FLOPs per step, wall time and GPU-hours to `train.max_steps`.
+A run that trains on this machine's CPU (`trains_on_this_cpu`) is billed by `pipeline.plan.cpu_bill`
+instead, on the same counted FLOPs (`count`).
 
     hours     = max_steps x FLOPs per step / (GPUs x peak FLOP/s per GPU x MFU) / 3600
     GPU-hours = GPUs x hours
@@ -42,6 +44,7 @@ from pipeline.plan import step_groups
 from pipeline.plan.flops import MicroShape, count_step_ops, six_n_t, step_flops
 from pipeline.plan.shapes import EpochShapes, ShapeBuckets, epoch_report
 from pipeline.plan.step_groups import worker_range
+from pipeline.ray_env import ray_address
 
 # Dense (no structured sparsity) 16-bit tensor-core peak per GPU: bf16, or fp16 on GPUs without
 # bf16 (V100, T4), from NVIDIA's datasheets. Where a datasheet prints only the sparse figure
@@ -271,18 +274,46 @@ def epoch_shapes(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.nda
             f"{report.format()}")
 
 
-def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None,
-              lengths_source: str = "", mfu_from: str = "", shapes: bool = False) -> Bill:
-    """The bill of `cfg`'s train stage for the model `mc`; `lengths` = the training split's
-    (src_len, tgt_len) (None: `ASSUMED_LENGTHS`); `mfu_from` overrides `plan.mfu_from`;
-    `shapes`: count an epoch's batch shapes too (`epoch_shapes`: seconds for WMT14's 4.5M pairs)."""
-    tc = cfg.train
+@dataclass(frozen=True)
+class Counted:
+    """What every bill counts, whatever machine it prices: the model and its sampled steps."""
+
+    num_params: int
+    flops_per_step: float  # counted (mean over the sampled steps)
+    steps: list[list[MicroShape]]  # the sampled steps' micro-batches (all workers')
+    busiest: list[int]  # each sampled step's busiest worker's micro-batch count
+    lengths_source: str
+    shapes: str  # `epoch_shapes`' line ("" = not computed)
+
+    @property
+    def tgt_tokens_per_step(self) -> float:
+        return float(np.mean([sum(m.Mt for m in s) for s in self.steps]))
+
+    @property
+    def src_tokens_per_step(self) -> float:
+        return float(np.mean([sum(m.Ms for m in s) for s in self.steps]))
+
+
+def count(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None,
+          lengths_source: str = "", shapes: bool = False) -> Counted:
+    """The counted part of `cfg`'s bill for the model `mc`; `lengths` = the training split's
+    (src_len, tgt_len) (None: `ASSUMED_LENGTHS`); `shapes`: count an epoch's batch shapes too
+    (`epoch_shapes`: seconds for WMT14's 4.5M pairs)."""
     shapes_line = epoch_shapes(cfg, mc, lengths) if shapes else ""
     if lengths is None:
         lengths, lengths_source = assumed_lengths(cfg), ASSUMED_LENGTHS
-    src_len, tgt_len = lengths
-    steps, busiest = sample_steps(src_len, tgt_len, cfg)
-    flops = [step_flops(mc, step, tc.label_smoothing) for step in steps]
+    steps, busiest = sample_steps(*lengths, cfg)
+    flops = [step_flops(mc, step, cfg.train.label_smoothing) for step in steps]
+    with torch.device("meta"):
+        num_params = Transformer(mc).num_parameters()
+    return Counted(num_params, float(np.mean(flops)), steps, busiest, lengths_source, shapes_line)
+
+
+def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None,
+              lengths_source: str = "", mfu_from: str = "", shapes: bool = False) -> Bill:
+    """The GPU bill of `cfg`'s train stage for the model `mc` (`count`'s arguments); `mfu_from`
+    overrides `plan.mfu_from`."""
+    c = count(cfg, mc, lengths, lengths_source, shapes)
     peak, peak_source = peak_for(cfg.plan.gpu_type)
     path = mfu_from or cfg.plan.mfu_from
     notes: list[str] = []
@@ -293,16 +324,23 @@ def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarra
                                            "benchmarks/gpu_check.sh and pass --mfu-from gpu_check.json")
     if cfg.speed.precision == "fp32":
         notes.append("speed.precision = fp32: the peak is the 16-bit one; fp32 (TF32) reaches less")
-    with torch.device("meta"):
-        num_params = Transformer(mc).num_parameters()
-    return Bill(num_params=num_params, max_steps=tc.max_steps, num_gpus=worker_range(cfg)[1],
+    return Bill(num_params=c.num_params, max_steps=cfg.train.max_steps, num_gpus=worker_range(cfg)[1],
                 gpu_type=cfg.plan.gpu_type, peak_flops=peak, peak_source=peak_source, mfu=mfu, mfu_source=mfu_source,
-                flops_per_step=float(np.mean(flops)),
-                tgt_tokens_per_step=float(np.mean([sum(m.Mt for m in s) for s in steps])),
-                src_tokens_per_step=float(np.mean([sum(m.Ms for m in s) for s in steps])),
-                lengths_source=lengths_source, sampled_steps=len(steps), notes=tuple(notes), shapes=shapes_line,
-                ops_per_micro_batch=count_step_ops(mc, tc.label_smoothing),
-                micro_batches_per_worker=float(np.mean(busiest)), compiled=on_for(cfg.speed.compile, "cuda"))
+                flops_per_step=c.flops_per_step, tgt_tokens_per_step=c.tgt_tokens_per_step,
+                src_tokens_per_step=c.src_tokens_per_step, lengths_source=c.lengths_source,
+                sampled_steps=len(c.steps), notes=tuple(notes), shapes=c.shapes,
+                ops_per_micro_batch=count_step_ops(mc, cfg.train.label_smoothing),
+                micro_batches_per_worker=float(np.mean(c.busiest)), compiled=on_for(cfg.speed.compile, "cuda"))
+
+
+def trains_on_this_cpu(cfg: Config) -> bool:
+    """Whether `cfg`'s run trains on this machine's CPU, so that its bill is this CPU's
+    (`pipeline.plan.cpu_bill`): a local run (no Ray address: `pipeline.ray_env.ray_address`) with
+    `workers.use_gpu` false, or "auto" where torch sees no CUDA device. A run on a cluster, or on
+    GPUs (`workers.use_gpu = true` prices one from a CPU-only machine), is billed on `plan.gpu_type`."""
+    if ray_address(cfg) != "local" or cfg.workers.use_gpu is True:
+        return False
+    return cfg.workers.use_gpu is False or not torch.cuda.is_available()
 
 
 def for_lengths(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray], mfu_from: str = "",

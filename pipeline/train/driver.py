@@ -45,6 +45,7 @@ from pipeline.train import dev_bleu_validation, elastic, preemption
 from pipeline.train.corpus import id_range, load_lengths, shard_files
 from pipeline.train.loop import LoopSpec, train_worker
 from pipeline.train.device import describe as describe_precision
+from pipeline.train.device import resolve_precision
 from pipeline.train.resume import storage_path_for
 from pipeline.train.session import SESSION_WRAPPER_ENV, RaySession
 
@@ -163,8 +164,10 @@ def gpu_training(cfg: Config) -> bool:
     return use_gpus(cfg.workers.use_gpu, ray.cluster_resources().get("GPU", 0), "workers.use_gpu")
 
 
-def cpus_per_worker(cfg: Config, use_gpu: bool) -> int:
-    """CPUs each worker reserves and uses as torch threads (`workers.cpus_per_worker`, 0 = auto).
+def cpus_per_worker(cfg: Config, use_gpu: bool, per_node: list[float] | None = None) -> int:
+    """CPUs each worker reserves and uses as torch threads (`workers.cpus_per_worker`, 0 = auto);
+    `per_node`: each node's CPUs (None: the connected Ray cluster's; `--plan`'s bill passes this
+    machine's, the node a local run trains on).
 
     Auto on CPU: the cluster's CPUs shared out over the workers, at most one node's worth, so a
     laptop's training uses every core (Ray would otherwise give a worker 1 CPU, hence 1 thread).
@@ -173,12 +176,20 @@ def cpus_per_worker(cfg: Config, use_gpu: bool) -> int:
         return cfg.workers.cpus_per_worker
     if use_gpu:
         return 1
-    per_node = node_cpus()
+    per_node = node_cpus() if per_node is None else per_node
     # Left free for the dev BLEU task (eval.dev_bleu_resources), which would else wait for the end.
     spare = dev_bleu_validation.reserved_cpus(cfg)
     total, largest = sum(per_node) - spare, max(per_node, default=1) - spare
     # A range: shared out over the most workers, so that the largest group fits.
     return max(1, int(min(total // worker_range(cfg)[1], largest)))
+
+
+def local_cpu_training(cfg: Config) -> tuple[str, int]:
+    """(precision, torch threads) of a CPU worker of a local run on this machine: what `--plan`
+    bills a CPU run at (pipeline/plan/cpu_bill.py). The same rules as the run's: `speed.precision`
+    on this CPU, `cpus_per_worker` over this machine's CPUs."""
+    return (resolve_precision(cfg.speed.precision, torch.device("cpu")),
+            cpus_per_worker(cfg, False, [float(os.cpu_count() or 1)]))
 
 
 def fit(cfg: Config, spec: LoopSpec, run_name: str, storage_path: str, validation: Any = None) -> Any:
@@ -328,13 +339,22 @@ def check_early_stop(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> None:
 
 
 def _log_bill(ctx: StageContext, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray]) -> None:
-    """--plan's bill (pipeline/plan/bill.py) as the run's MLflow params; never fails training."""
+    """--plan's bill as the run's MLflow params: this CPU's when the run trains on it
+    (pipeline/plan/cpu_bill.py), else the GPUs' (pipeline/plan/bill.py); never fails training."""
     from pipeline.plan import bill
 
     try:
-        b = bill.for_lengths(ctx.cfg, mc, lengths)
-        log.info("train: the bill at plan.gpu_type %s: %.4g FLOPs per step, %.3g h and %.3g GPU-hours at MFU %.3g",
-                 b.gpu_type, b.flops_per_step, b.hours, b.gpu_hours, b.mfu)
+        if bill.trains_on_this_cpu(ctx.cfg):
+            from pipeline.plan.cpu_bill import make_cpu_bill
+
+            b = make_cpu_bill(ctx.cfg, mc, *local_cpu_training(ctx.cfg), lengths,
+                              f"the encode stage's {len(lengths[0]):,} training pairs")
+            log.info("train: the bill on %s: %.4g FLOPs per step, %.3g h", b.rate.describe(),
+                     b.counted.flops_per_step, b.hours)
+        else:
+            b = bill.for_lengths(ctx.cfg, mc, lengths)
+            log.info("train: the bill at plan.gpu_type %s: %.4g FLOPs per step, %.3g h and %.3g GPU-hours at MFU %.3g",
+                     b.gpu_type, b.flops_per_step, b.hours, b.gpu_hours, b.mfu)
         ctx.tracker.log_params(b.params())
     except Exception as e:  # noqa: BLE001 (an unknown gpu_type, a changed MLflow param): a note, not a failure
         log.warning("train: no bill in the run's params (%s: %s)", type(e).__name__, e)

@@ -148,9 +148,11 @@ def test_model_size_is_base_or_big_by_width():
 
 
 def test_plan_bills_with_the_cached_encode_stage_and_the_run_logs_it(tmp_path):
+    """A run on GPUs (workers.use_gpu = true): the GPU bill, whatever this machine has (a CPU run's
+    bill: tests/unit/plan/test_cpu_bill.py)."""
     cfg = load_config(None, [f"--run.work_dir={tmp_path / 'work'}", "--train.max_steps=100",
                              "--train.tokens_per_step=500", "--speed.max_tokens_per_batch=400", "--workers.num_workers=2",
-                             "--checkpoint.interval_steps=20",
+                             "--checkpoint.interval_steps=20", "--workers.use_gpu=true",
                              "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2"])
     train_dir = write_reverse_task(tmp_path / "train", 400, 64, seed=0, length_jitter=3)
     plans = make_plan(cfg)
