@@ -6,11 +6,14 @@ sentences translated (no cross-talk between requests batched together); each kin
 of bad input gets a 4xx naming the problem, and the replica keeps serving afterwards. The same
 model served from a config's DAG plan on an ``s3://`` work dir (the suite's moto server) and from
 a Model Registry version answers the same; an overloaded replica answers 503 with Retry-After.
+The page, in a headless Chromium: the translation and heatmaps are the API's, and a clicked row's
+step view (q, keys, scores, softmax with and without sqrt(d_k)) shows the API's numbers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.error
 import urllib.request
@@ -25,6 +28,7 @@ from tests.support.s3 import s3, s3_module  # noqa: F401 - fixtures
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_SENTENCES, MAX_CHARS, MAX_LEN_B, MAX_BYTES = 4, 4000, 20, 16384
+EXPLAIN = {"kind": "cross", "layer": 0, "head": 0, "query": 0}  # a row every sentence has
 
 
 def _post(url: str, body, headers: dict | None = None, with_headers: bool = False):
@@ -140,6 +144,16 @@ def test_concurrent_clients_each_get_their_own_sentences_translated(server, tiny
     (_json({"text": ["a\u0000b"]}), 422, '"text"[0] holds a control character (U+0000'),
     (_json({"text": ["x" * 10_000]}), 413, '"text"[0] has 10000 characters'),
     (_json({"text": ["a"], "beam_size": 99}), 422, "from 1 to 8 (this server's max_beam_size)"),
+    # The step view's "explain": one sentence, its piece limit, indices of the tiny model (2 layers, 4 heads) in range.
+    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "layer": 2}}), 422, '"layer" 2 is out of range'),
+    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "head": -1}}), 422, '"head" -1 is out of range'),
+    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "query": 999}}), 422, '"query" 999 is out of range'),
+    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "layer": 1.0}}), 422, '"layer" must be an integer'),
+    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "head": "0"}}), 422, '"head" must be an integer'),
+    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "query": True}}), 422, '"query" must be an integer'),
+    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "kind": "sideways"}}), 422, '"kind" must be one of'),
+    (_json({"text": ["a", "b"], "explain": EXPLAIN}), 422, "one sentence per request; this one has 2"),
+    (_json({"text": ["word " * 70], "explain": EXPLAIN}), 413, "max_attention_pieces"),
 ])
 def test_bad_input_gets_a_4xx_naming_it_and_the_replica_keeps_serving(server, body, status, words):
     got, out = _post(f"{server}/translate", body)
@@ -372,3 +386,49 @@ def test_the_page_names_the_limit_a_sentence_breaks(server, browser):
     _wait(browser, lambda d: d.find_element(By.ID, "error").text != "")
     assert browser.find_element(By.ID, "error").text.startswith("413: ")
     assert "at most 128 pieces" in browser.find_element(By.ID, "error").text
+
+
+def _entropy(weights: list[float]) -> float:
+    return -sum(w * math.log(w) for w in weights if w > 0)
+
+
+def test_the_page_steps_through_how_a_cross_attention_row_was_computed(server, browser, wmt14_dir, tmp_path):
+    """A real browser: click a cross-attention cell; the step view shows the API's numbers for that
+    row: its weights are the "attention" map's row exactly, the query is the explanation's, and
+    "without sqrt(d_k)" shows softmax(q.k) of the explanation's scores, more peaked (lower entropy)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[9]
+    layer, head, row = 1, 2, 1
+    api = _post(f"{server}/translate", _json({"text": [sentence], "attention": True}))[1]
+    browser.get(f"{server}/")
+    _wait(browser, lambda d: "Model:" in d.find_element(By.ID, "model").text)
+    browser.find_element(By.ID, "source").send_keys(sentence)
+    browser.find_element(By.ID, "translate").click()
+    _wait(browser, lambda d: d.find_element(By.ID, "translation").text.strip() != "")
+    Select(browser.find_element(By.ID, "kind")).select_by_value("cross")
+    Select(browser.find_element(By.ID, "layer")).select_by_value(str(layer))
+    Select(browser.find_element(By.ID, "head")).select_by_value(str(head))
+    label = api["attention"]["heads"]["cross"][layer][head]["label"]
+    assert label and browser.find_element(By.ID, "headlabel").text == f"head {head + 1}: {label}"
+    browser.find_element(By.CSS_SELECTOR, f'#heatmap td.cell[data-row="{row}"][data-col="0"]').click()
+    _wait(browser, lambda d: d.find_element(By.ID, "steps").get_attribute("data-state") in ("ready", "error"))
+    assert browser.find_element(By.ID, "steps").get_attribute("data-state") == "ready", \
+        browser.find_element(By.ID, "steperror").text
+    read = "return [...document.querySelectorAll('#keys td.w')].map(c => c.dataset.w)"
+    shown = [float(w) for w in browser.execute_script(read)]
+    assert shown == api["attention"]["cross"][layer][head][row]  # the doubles the API sent, as JS printed them
+    explained = _post(f"{server}/translate", _json({"text": [sentence], "explain": {
+        "kind": "cross", "layer": layer, "head": head, "query": row}}))[1]["explanation"]
+    q = json.loads(browser.execute_script("return document.querySelector('#q canvas').dataset.values"))
+    assert q == explained["q"] and len(q) == explained["d_k"] == 16  # d_model 64 / 4 heads
+    browser.find_element(By.ID, "unscaled").click()
+    unscaled = [float(w) for w in browser.execute_script(read)]
+    assert unscaled == explained["weights_unscaled"]
+    top = max(explained["scores"])  # q.k of the model's own q and k, softmaxed here without the scale
+    e = [math.exp(x - top) for x in explained["scores"]]
+    assert all(abs(u - x / sum(e)) < 1e-6 for u, x in zip(unscaled, e))
+    assert _entropy(unscaled) < _entropy(shown), (unscaled, shown)
+    assert browser.execute_script("return document.getElementById('pedots').width") > 1  # the positional section
+    browser.save_screenshot(str(tmp_path / "steps.png"))
