@@ -28,7 +28,6 @@ from tests.support.s3 import s3, s3_module  # noqa: F401 - fixtures
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_SENTENCES, MAX_CHARS, MAX_LEN_B, MAX_BYTES = 4, 4000, 20, 16384
-EXPLAIN = {"kind": "cross", "layer": 0, "head": 0, "query": 0}  # a row every sentence has
 
 
 def _post(url: str, body, headers: dict | None = None, with_headers: bool = False):
@@ -48,6 +47,12 @@ def _post(url: str, body, headers: dict | None = None, with_headers: bool = Fals
 
 def _json(obj) -> bytes:
     return json.dumps(obj).encode()
+
+
+def _explain(text: list[str] = ("a dog .",), **change) -> bytes:
+    """An "explain" request for the first row of cross-attention's layer 0, head 0 (every sentence has
+    it), with `change` to its fields."""
+    return _json({"text": list(text), "explain": {"kind": "cross", "layer": 0, "head": 0, "query": 0, **change}})
 
 
 @pytest.fixture(scope="module")
@@ -145,15 +150,16 @@ def test_concurrent_clients_each_get_their_own_sentences_translated(server, tiny
     (_json({"text": ["x" * 10_000]}), 413, '"text"[0] has 10000 characters'),
     (_json({"text": ["a"], "beam_size": 99}), 422, "from 1 to 8 (this server's max_beam_size)"),
     # The step view's "explain": one sentence, its piece limit, indices of the tiny model (2 layers, 4 heads) in range.
-    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "layer": 2}}), 422, '"layer" 2 is out of range'),
-    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "head": -1}}), 422, '"head" -1 is out of range'),
-    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "query": 999}}), 422, '"query" 999 is out of range'),
-    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "layer": 1.0}}), 422, '"layer" must be an integer'),
-    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "head": "0"}}), 422, '"head" must be an integer'),
-    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "query": True}}), 422, '"query" must be an integer'),
-    (_json({"text": ["a dog ."], "explain": {**EXPLAIN, "kind": "sideways"}}), 422, '"kind" must be one of'),
-    (_json({"text": ["a", "b"], "explain": EXPLAIN}), 422, "one sentence per request; this one has 2"),
-    (_json({"text": ["word " * 70], "explain": EXPLAIN}), 413, "max_attention_pieces"),
+    (_explain(layer=2), 422, '"layer" 2 is out of range'),
+    (_explain(head=4), 422, '"head" 4 is out of range: there are 4 heads'),
+    (_explain(query=999), 422, '"query" 999 is out of range'),
+    (_explain(head=-1), 422, '"explain"."head" must be an integer from 0, got -1'),
+    (_explain(layer=1.0), 422, '"explain"."layer" must be an integer from 0, got 1.0'),
+    (_explain(head="0"), 422, '"explain"."head" must be an integer from 0, got \'0\''),
+    (_explain(query=True), 422, '"explain"."query" must be an integer from 0, got True'),
+    (_explain(kind="sideways"), 422, '"explain"."kind" must be one of'),
+    (_explain(["a", "b"]), 422, '"explain" is given for one sentence per request; this one has 2'),
+    (_explain(["word " * 70]), 413, '"explain" is given for sentences of at most 128 pieces'),
 ])
 def test_bad_input_gets_a_4xx_naming_it_and_the_replica_keeps_serving(server, body, status, words):
     got, out = _post(f"{server}/translate", body)
@@ -365,7 +371,8 @@ def test_the_page_translates_and_draws_the_apis_attention(server, browser, wmt14
     Select(browser.find_element(By.ID, "layer")).select_by_value("1")
     Select(browser.find_element(By.ID, "head")).select_by_value("2")
     cells = browser.execute_script(
-        "return [...document.querySelectorAll('#heatmap td.cell')].map(c => [+c.dataset.row, +c.dataset.col, c.dataset.w])")
+        "return [...document.querySelectorAll('#heatmap td.cell')]"
+        ".map(c => [+c.dataset.row, +c.dataset.col, c.dataset.w])")
     want = api["attention"]["cross"][1][2]
     assert len(cells) == len(want) * len(want[0])
     assert all(float(w) == want[r][c] for r, c, w in cells)  # the double the API sent, as JS printed it
