@@ -175,18 +175,20 @@ def parse_args() -> argparse.Namespace:
 
 
 def measure(url: str, sentences: list[str], args: argparse.Namespace) -> dict:
-    """A 2 s warm-up by one client, then the load without attention requests, then (with
-    --attention-fraction) the same load with them and the plain requests' latency ratios."""
+    """A 2 s warm-up by one client, then the load of plain requests only, then (with
+    --attention-fraction, --explain-fraction) the same load with that share of attention / explain
+    requests, each round with its plain requests' latency over the plain-only round's."""
     from pipeline.serve.app import ServeSettings
 
-    run_load(url, sentences[:8], argparse.Namespace(**{**vars(args), "clients": 1, "duration_s": 2.0,
+    plain = {"attention_fraction": 0.0, "explain_fraction": 0.0}
+    run_load(url, sentences[:8], argparse.Namespace(**{**vars(args), **plain, "clients": 1, "duration_s": 2.0,
                                                        "bad_fraction": 0.0}))
     limits = ServeSettings()
     res = {"backend": args.backend, "replicas": args.replicas, "max_batch_size": args.max_batch_size,
            "max_ongoing_requests": limits.max_ongoing_requests,
            "max_queued_requests": limits.max_queued_requests,
            "beam_size": args.beam,
-           **run_load(url, sentences, argparse.Namespace(**{**vars(args), "attention_fraction": 0.0}))}
+           **run_load(url, sentences, argparse.Namespace(**{**vars(args), **plain}))}
     for kind in ("attention", "explain"):  # the same load again, a share of it asking for attention / explanations
         frac = getattr(args, f"{kind}_fraction")
         if frac > 0:
