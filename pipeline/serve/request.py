@@ -108,7 +108,7 @@ def parse_json(body: bytes) -> Any:
 
 
 MAX_ALPHA = 5.0  # the length penalty's exponent a client may ask for (GNMT's alpha; §6.1 uses 0.6)
-OPTIONAL = ("attention", "explain", "beam_size", "alpha")
+OPTIONAL = ("attention", "beam_size", "alpha", "explain")
 EXPLAIN_FIELDS = ("kind", "layer", "head", "query")  # one head's row: model.attention_weights.KINDS, indices from 0
 
 
@@ -129,9 +129,9 @@ class TranslateRequest:
 
     sentences: list[str]
     attention: bool = False
-    explain: ExplainRequest | None = None
     beam_size: int | None = None
     alpha: float | None = None
+    explain: ExplainRequest | None = None
 
 
 def parse_translate(body: bytes, max_sentences: int, max_chars: int, max_beam_size: int) -> TranslateRequest:
@@ -153,7 +153,7 @@ def parse_translate(body: bytes, max_sentences: int, max_chars: int, max_beam_si
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
                               or not 0.0 <= alpha <= MAX_ALPHA):
         raise HTTPException(422, f'"alpha" must be a number from 0 to {MAX_ALPHA}, got {alpha!r}')
-    return TranslateRequest(sentences, attention, explain, beam, None if alpha is None else float(alpha))
+    return TranslateRequest(sentences, attention, beam, None if alpha is None else float(alpha), explain)
 
 
 def _explain(value: Any, n_sentences: int) -> ExplainRequest:

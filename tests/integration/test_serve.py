@@ -294,6 +294,65 @@ def test_attention_is_the_score_stages_function_and_rows_sum_to_one(server, tiny
         assert all(abs(sum(r) - 1.0) < 1e-5 for layer in maps for head in layer for r in head)
 
 
+def test_explain_opens_a_row_of_the_served_attention(server, tiny_model, wmt14_dir):
+    """`"explain"` returns the row of `"attention"`'s map it names, exactly, from the same translation;
+    on this trained model leaving out 1/sqrt(d_k) makes every row with two or more keys more peaked."""
+    import math
+
+    import sentencepiece as spm
+
+    from pipeline.decoding.attention_explain import explain_attention
+    from pipeline.decoding.translator import load_model
+
+    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[5]
+    for kind, layer, head, query in (("cross", 1, 2, 1), ("decoder_self", 0, 3, 2), ("encoder_self", 1, 0, 4)):
+        ask = {"kind": kind, "layer": layer, "head": head, "query": query}
+        status, out = _post(f"{server}/translate", _json({"text": [sentence], "attention": True, "explain": ask}))
+        assert status == 200, out
+        e = out["explanation"]
+        assert {k: e[k] for k in ask} == ask
+        assert e["weights"] == out["attention"][kind][layer][head][query]
+        keys = out["attention"]["tgt_pieces" if kind == "decoder_self" else "src_pieces"]
+        assert e["key_pieces"] == keys and len(e["keys"]) == len(e["values"]) == len(keys)
+        assert e["entropy"]["unscaled"] < e["entropy"]["scaled"]
+        label = out["attention"]["heads"][kind][layer][head]["label"]
+        assert label.split(":")[0] in ("mostly attends to the same piece", "mostly attends to the previous piece",
+                                       "mostly attends to the next piece", "mostly attends to the first piece",
+                                       "mostly attends to the last piece", "follows the source in order") \
+            or label.startswith(("mostly attends to the piece", "spreads its weight")), label
+    sp = spm.SentencePieceProcessor(model_file=tiny_model["spm"])
+    model = load_model(tiny_model["model"], tiny_model["model_config"])
+    hypothesis = out["translations"][0]
+    for kind in ("encoder_self", "decoder_self", "cross"):
+        n_rows = len(out["attention"]["src_pieces" if kind == "encoder_self" else "tgt_pieces"])
+        for query in range(n_rows):
+            e = explain_attention(model, sp, sp.encode(sentence), hypothesis, kind, 1, 1, query)
+            if sum(e["mask"]) > 1:
+                assert e["entropy"]["unscaled"] < e["entropy"]["scaled"], (kind, query)
+            assert math.isclose(sum(e["weights"]), 1.0, rel_tol=1e-5)
+
+
+def test_bad_explain_requests_are_refused_by_name(server, wmt14_dir):
+    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[5]
+    good = {"kind": "cross", "layer": 0, "head": 0, "query": 0}
+    cases = [
+        ({**good, "layer": 2}, 422, '"layer" 2 is out of range: there are 2 the model\'s cross layers'),
+        ({**good, "head": 4}, 422, '"head" 4 is out of range: there are 4 heads'),
+        ({**good, "kind": "encoder_self", "query": 500}, 422, '"query" 500 is out of range'),
+        ({**good, "query": 500}, 422, '"query" 500 is out of range'),  # found once the translation is known
+        ({**good, "head": 0.5}, 422, '"explain"."head" must be an integer'),
+        ({**good, "kind": "self"}, 422, '"explain"."kind" must be one of'),
+    ]
+    for ask, status, words in cases:
+        got = _post(f"{server}/translate", _json({"text": [sentence], "explain": ask}))
+        assert got[0] == status and words in got[1]["detail"], (ask, got)
+    got = _post(f"{server}/translate", _json({"text": [sentence, sentence], "explain": good}))
+    assert got[0] == 422 and "one sentence per request" in got[1]["detail"], got
+    got = _post(f"{server}/translate", _json({"text": ["word " * 70], "explain": good}))
+    assert got[0] == 413 and '"explain" is given for sentences of at most 128 pieces' in got[1]["detail"], got
+    assert _post(f"{server}/translate", _json({"text": [sentence], "explain": good}))[0] == 200  # and it serves on
+
+
 def test_a_request_may_set_its_beam_and_alpha_within_the_limits(server, tiny_model, wmt14_dir):
     from pipeline.decoding.translator import Translator
 
