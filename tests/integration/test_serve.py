@@ -49,10 +49,10 @@ def _json(obj) -> bytes:
     return json.dumps(obj).encode()
 
 
-def _explain(text: list[str] = ("a dog .",), **change) -> bytes:
+def _explain(**change) -> bytes:
     """An "explain" request for the first row of cross-attention's layer 0, head 0 (every sentence has
     it), with `change` to its fields."""
-    return _json({"text": list(text), "explain": {"kind": "cross", "layer": 0, "head": 0, "query": 0, **change}})
+    return _json({"text": ["a dog ."], "explain": {"kind": "cross", "layer": 0, "head": 0, "query": 0, **change}})
 
 
 @pytest.fixture(scope="module")
@@ -149,17 +149,10 @@ def test_concurrent_clients_each_get_their_own_sentences_translated(server, tiny
     (_json({"text": ["a\u0000b"]}), 422, '"text"[0] holds a control character (U+0000'),
     (_json({"text": ["x" * 10_000]}), 413, '"text"[0] has 10000 characters'),
     (_json({"text": ["a"], "beam_size": 99}), 422, "from 1 to 8 (this server's max_beam_size)"),
-    # The step view's "explain": one sentence, its piece limit, indices of the tiny model (2 layers, 4 heads) in range.
-    (_explain(layer=2), 422, '"layer" 2 is out of range'),
-    (_explain(head=4), 422, '"head" 4 is out of range: there are 4 heads'),
-    (_explain(query=999), 422, '"query" 999 is out of range'),
+    # "explain"'s index types beyond test_bad_explain_requests_are_refused_by_name's: negative, a bool, a string.
     (_explain(head=-1), 422, '"explain"."head" must be an integer from 0, got -1'),
-    (_explain(layer=1.0), 422, '"explain"."layer" must be an integer from 0, got 1.0'),
-    (_explain(head="0"), 422, '"explain"."head" must be an integer from 0, got \'0\''),
     (_explain(query=True), 422, '"explain"."query" must be an integer from 0, got True'),
-    (_explain(kind="sideways"), 422, '"explain"."kind" must be one of'),
-    (_explain(["a", "b"]), 422, '"explain" is given for one sentence per request; this one has 2'),
-    (_explain(["word " * 70]), 413, '"explain" is given for sentences of at most 128 pieces'),
+    (_explain(layer="0"), 422, '"explain"."layer" must be an integer from 0, got \'0\''),
 ])
 def test_bad_input_gets_a_4xx_naming_it_and_the_replica_keeps_serving(server, body, status, words):
     got, out = _post(f"{server}/translate", body)
