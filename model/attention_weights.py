@@ -1,20 +1,21 @@
 """What a trained model attends to: the attention weights softmax(Q K^T / sqrt(d_k)) (§3.2.1) of
-every layer and head, for one sentence pair, as the paper draws them (Figures 3-5).
+every layer and head, for one sentence pair, as the paper draws them (Figures 3-5), and the
+queries, keys and values they came from.
 
 The model's forward pass never materializes these weights (it calls
 ``F.scaled_dot_product_attention``, which returns only the weighted values). Every attention call
-of the model first hands its queries, keys, mask and scale to `observe`; within
-`recording_attention` (thread-local) they go to a callback. ``attention_weights`` runs one
-teacher-forced forward pass of a sentence pair with such a callback, which computes each call's
-weights; the pass's own outputs are unchanged. One sentence at a time, so no padding enters any
-row. Torch only.
+of the model first hands its queries, keys, values, mask and scale to `observe`; within
+`recording_attention` (thread-local) they go to a callback. ``record_attention`` runs one
+teacher-forced forward pass of a sentence pair and keeps each call (`AttentionCall`);
+``attention_weights`` computes every call's weights from it. The pass's own outputs are unchanged.
+One sentence at a time, so no padding enters any row. Torch only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -25,7 +26,7 @@ _RECORDER = threading.local()  # this thread's `recording_attention` callback, i
 
 @contextlib.contextmanager
 def recording_attention(record: Callable[..., None]) -> Iterator[None]:
-    """Within it, every attention call of this thread first calls record(q, k, attn_mask,
+    """Within it, every attention call of this thread first calls record(q, k, v, attn_mask,
     is_causal, scale). Thread-local: a server decoding other requests with the same model in
     other threads is neither seen nor disturbed."""
     _RECORDER.record = record
@@ -35,42 +36,66 @@ def recording_attention(record: Callable[..., None]) -> Iterator[None]:
         _RECORDER.record = None
 
 
-def observe(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+def observe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
             scale: float | None) -> None:
     """Called by the model's attention before it attends: passes the call to this thread's
     `recording_attention` callback, if any (never while torch.compile traces)."""
     if not torch.compiler.is_compiling() and getattr(_RECORDER, "record", None) is not None:
-        _RECORDER.record(q, k, attn_mask, is_causal, scale)
+        _RECORDER.record(q, k, v, attn_mask, is_causal, scale)
 
 
-def _weights(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
-             scale: float | None) -> torch.Tensor:
-    """(B, h, Tq, hs), (B, h, Tk, hs) -> (B, h, Tq, Tk): SDPA's softmax, explicitly (fp32)."""
-    q, k = q.float(), k.float()
-    scores = q @ k.transpose(-2, -1) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    if is_causal:
-        tq, tk = scores.shape[-2:]
-        scores = scores.masked_fill(~torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return scores.softmax(-1)
+class AttentionCall(NamedTuple):
+    """One attention call as the model made it: q (B, h, Tq, hs), k and v (B, h, Tk, hs), each head
+    zero-padded to hs = max(d_k, d_v) (`model.heads`); SDPA's mask (True = may attend), causal flag
+    and scale (None: SDPA's 1/sqrt(hs))."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    attn_mask: torch.Tensor | None
+    is_causal: bool
+    scale: float | None
+
+    @property
+    def scale_factor(self) -> float:
+        """The factor SDPA multiplies q.k by: 1/sqrt(d_k) (§3.2.1)."""
+        return self.scale if self.scale is not None else self.q.shape[-1] ** -0.5
+
+    def dots(self) -> torch.Tensor:
+        """q.k for every query and key, before scaling: (B, h, Tq, Tk), fp32."""
+        return self.q.float() @ self.k.float().transpose(-2, -1)
+
+    def allowed(self) -> torch.Tensor:
+        """(B, h, Tq, Tk) bool, True = the query may attend to the key (causal mask and padding)."""
+        B, h, tq, _ = self.q.shape
+        tk = self.k.shape[-2]
+        allowed = torch.ones(B, h, tq, tk, dtype=torch.bool, device=self.q.device)
+        if self.is_causal:
+            allowed &= torch.ones(tq, tk, dtype=torch.bool, device=self.q.device).tril()
+        if self.attn_mask is not None:
+            allowed &= self.attn_mask
+        return allowed
+
+    def weights(self, scaled: bool = True) -> torch.Tensor:
+        """(B, h, Tq, Tk): SDPA's softmax, explicitly (fp32); scaled=False leaves out 1/sqrt(d_k)."""
+        scores = self.dots() * self.scale_factor if scaled else self.dots()
+        return scores.masked_fill(~self.allowed(), float("-inf")).softmax(-1)
 
 
 @torch.no_grad()
-def attention_weights(model: torch.nn.Module, src_ids: Sequence[int], tgt_in_ids: Sequence[int]
-                      ) -> dict[str, torch.Tensor]:
+def record_attention(model: torch.nn.Module, src_ids: Sequence[int], tgt_in_ids: Sequence[int]
+                     ) -> dict[str, list[AttentionCall]]:
     """One pair through `model` (a `Transformer`): ``src_ids`` = pieces + [eos], ``tgt_in_ids`` =
-    [bos] + pieces (e.g. the model's own translation). Returns {"encoder_self": (L_enc, h, S, S),
-    "decoder_self": (L_dec, h, T, T), "cross": (L_dec, h, T, S)}: row i of a map is query position
-    i's distribution over the keys.
+    [bos] + pieces (e.g. the model's own translation). Returns each kind's calls, one per layer:
+    {"encoder_self": [L_enc], "decoder_self": [L_dec], "cross": [L_dec]}, each of batch 1.
 
     The pass calls attention in a fixed order (every encoder layer's, then each decoder layer's
     self- and cross-attention), recorded for this thread only (`recording_attention`): a server
     may decode other requests with the same model meanwhile."""
-    calls: list[torch.Tensor] = []
+    calls: list[AttentionCall] = []
 
-    def record(q, k, attn_mask, is_causal, scale):
-        calls.append(_weights(q, k, attn_mask, is_causal, scale)[0])  # (h, Tq, Tk)
+    def record(q, k, v, attn_mask, is_causal, scale):
+        calls.append(AttentionCall(q, k, v, attn_mask, is_causal, scale))
 
     was_training = model.training  # no dropout in the pass (a served model is in eval mode already)
     model.eval()
@@ -82,6 +107,18 @@ def attention_weights(model: torch.nn.Module, src_ids: Sequence[int], tgt_in_ids
         model.train(was_training)
     n_enc, n_dec = len(model.encoder_layers), len(model.decoder_layers)
     if len(calls) != n_enc + 2 * n_dec:
-        raise RuntimeError(f"attention_weights: {len(calls)} attention calls, expected {n_enc + 2 * n_dec}")
-    found = {"encoder_self": calls[:n_enc], "decoder_self": calls[n_enc::2], "cross": calls[n_enc + 1::2]}
-    return {kind: torch.stack(maps).cpu() for kind, maps in found.items()}
+        raise RuntimeError(f"record_attention: {len(calls)} attention calls, expected {n_enc + 2 * n_dec}")
+    return {"encoder_self": calls[:n_enc], "decoder_self": calls[n_enc::2], "cross": calls[n_enc + 1::2]}
+
+
+def attention_weights(model: torch.nn.Module, src_ids: Sequence[int], tgt_in_ids: Sequence[int]
+                      ) -> dict[str, torch.Tensor]:
+    """The maps of one pair (`record_attention`'s arguments): {"encoder_self": (L_enc, h, S, S),
+    "decoder_self": (L_dec, h, T, T), "cross": (L_dec, h, T, S)}: row i of a map is query position
+    i's distribution over the keys."""
+    return maps_of(record_attention(model, src_ids, tgt_in_ids))
+
+
+def maps_of(calls: dict[str, list[AttentionCall]]) -> dict[str, torch.Tensor]:
+    """`attention_weights` from recorded calls: each layer's (h, Tq, Tk) weights, stacked, on the CPU."""
+    return {kind: torch.stack([c.weights()[0] for c in layer_calls]).cpu() for kind, layer_calls in calls.items()}

@@ -48,7 +48,7 @@ def _init_linear(linear: nn.Linear, blocks: int | list[int] = 1) -> None:
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
             is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
     """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (§3.2.1), all heads at once (SDPA)."""
-    observe(q, k, attn_mask, is_causal, scale)
+    observe(q, k, v, attn_mask, is_causal, scale)
     return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
 
@@ -238,13 +238,17 @@ class Transformer(nn.Module):
         """Trainable parameters, the shared embedding counted once."""
         return sum(p.numel() for p in self.parameters())
 
+    def position_table(self) -> torch.Tensor:
+        """(max_positions, d): what `embed` adds at each position: the sinusoids (§3.5), or the
+        learned table (Table 3 row E) when ModelConfig.positional = "learned"."""
+        return self.pos_table if self.pos_embed is None else self.pos_embed.weight
+
     def embed(self, embedding: nn.Embedding, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """§3.4, §3.5: ids (B, T) at positions offset.. -> embedding * sqrt(d) + PE, dropped out (B, T, d)."""
         T = ids.shape[1]
         if offset + T > self.cfg.max_positions:
             raise ValueError(f"position {offset + T - 1} >= ModelConfig.max_positions={self.cfg.max_positions}")
-        table = self.pos_table if self.pos_embed is None else self.pos_embed.weight
-        x = embedding(ids).mul_(self.emb_scale).add_(table[offset : offset + T])  # (B, T, d)
+        x = embedding(ids).mul_(self.emb_scale).add_(self.position_table()[offset : offset + T])  # (B, T, d)
         return self.dropout(x) if self.training else x
 
     def _encode(self, src_ids: torch.Tensor, src_index: torch.Tensor | None = None

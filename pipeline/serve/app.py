@@ -170,8 +170,11 @@ class Translation:
             if len(p) + 1 > self.max_source_len:
                 raise HTTPException(413, f'"text"[{i}] is {len(p) + 1} pieces long (eos included); '
                                          f"the model takes at most {self.max_source_len}")
-        if req.attention:
-            self._check_attention(ids[0])
+        if req.attention or req.explain:
+            self._check_attention(ids[0], "explain" if req.explain and not req.attention else "attention")
+        if req.explain:
+            # the decoder's query range once the translation is known (`_explain`)
+            self._check_explain(req.explain, len(ids[0]) + 1 if req.explain.kind == "encoder_self" else None)
         settings = self._settings(req)
         real = [i for i, p in enumerate(ids) if p]
         if settings is None:  # the server's settings: batched with other requests' sentences
@@ -189,6 +192,8 @@ class Translation:
         if req.attention:
             att = await asyncio.to_thread(self._attention, ids[0], outs[0])
             answer["attention"] = att.to_json()
+        if req.explain:
+            answer["explanation"] = await asyncio.to_thread(self._explain, ids[0], outs[0], req.explain)
         return answer
 
     def _settings(self, req: Any) -> DecodeSettings | None:
@@ -203,22 +208,45 @@ class Translation:
                                      f"{self.s.backend} with beam_size {server.beam_size}, alpha {server.alpha}")
         return asked
 
-    def _check_attention(self, pieces: list[int]) -> None:
+    def _check_attention(self, pieces: list[int], key: str) -> None:
+        asked = '"attention": true' if key == "attention" else '"explain"'
         if not pieces:
-            raise HTTPException(422, '"attention": true needs a sentence with some text: "text"[0] has none')
+            raise HTTPException(422, f'{asked} needs a sentence with some text: "text"[0] has none')
         if len(pieces) + 1 > self.s.max_attention_pieces:
-            raise HTTPException(413, f'"attention": true is given for sentences of at most {self.s.max_attention_pieces} '
+            raise HTTPException(413, f'{asked} is given for sentences of at most {self.s.max_attention_pieces} '
                                      f'pieces (eos included; max_attention_pieces); "text"[0] has {len(pieces) + 1}')
+
+    def _check_explain(self, ask: Any, n_queries: int | None) -> None:
+        """A 422 naming the index of "explain" out of range for this model (and this sentence's map)."""
+        from pipeline.decoding.attention_explain import explain_problem
+
+        problem = explain_problem(self.tr.cfg, ask.kind, ask.layer, ask.head, ask.query, n_queries)
+        if problem:
+            raise HTTPException(422, f'"explain": {problem}')
+
+    def _our_model(self) -> Any:
+        """The torch backend's own model; CTranslate2's server loads ours once, on the first request that needs it."""
+        from pipeline.decoding.translator import load_model
+
+        if self.attention_model is None:
+            self.attention_model = (self.tr.model if self.s.backend == "torch"
+                                    else load_model(self.files.model, self.files.model_config))
+        return self.attention_model
 
     def _attention(self, pieces: list[int], hypothesis: str) -> Any:
         """`pipeline.decoding.attention_maps.translation_attention`: the function the score report draws with."""
         from pipeline.decoding.attention_maps import translation_attention
-        from pipeline.decoding.translator import load_model
 
-        if self.attention_model is None:  # the torch backend's own model; CTranslate2's server loads ours once
-            self.attention_model = (self.tr.model if self.s.backend == "torch"
-                                    else load_model(self.files.model, self.files.model_config))
-        return translation_attention(self.attention_model, self.tr.sp, pieces, hypothesis)
+        return translation_attention(self._our_model(), self.tr.sp, pieces, hypothesis)
+
+    def _explain(self, pieces: list[int], hypothesis: str, ask: Any) -> dict[str, Any]:
+        """`pipeline.decoding.attention_explain.explain_attention` on the pass `_attention` maps."""
+        from pipeline.decoding.attention_explain import explain_attention
+
+        if ask.kind != "encoder_self":  # the decoder's positions: the hypothesis's pieces, then eos
+            self._check_explain(ask, len(self.tr.sp.encode(hypothesis, out_type=int)) + 1)
+        return explain_attention(self._our_model(), self.tr.sp, pieces, hypothesis, ask.kind, ask.layer, ask.head,
+                                 ask.query)
 
     @api.get("/", response_class=HTMLResponse)
     async def page(self) -> HTMLResponse:

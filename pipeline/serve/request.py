@@ -16,7 +16,10 @@ that says what and where:
 - more sentences than ``max_sentences`` or a sentence over ``max_chars`` characters (413).
 
 Optional keys (``parse_translate``): ``"attention": true`` (the attention of the translation of
-one sentence: more than one is a 422 naming the limit), ``"beam_size"`` (an integer, 1 to the
+one sentence: more than one is a 422 naming the limit), ``"explain": {"kind", "layer", "head",
+"query"}`` (how one head computed one query's row, for one sentence: a 422 names a batch, a
+missing or unknown field, an unknown kind or a non-integer or negative index; the server checks
+the ranges, which depend on its model and the sentence), ``"beam_size"`` (an integer, 1 to the
 server's ``max_beam_size``) and ``"alpha"`` (a number, 0 to ``MAX_ALPHA``); out of range is a 422
 naming the range.
 """
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import HTTPException
+
+from model.attention_weights import KINDS
 
 MAX_JSON_DEPTH = 4  # {"text": [...]} is 2 levels deep; anything deeper than this is not a request
 
@@ -103,7 +108,19 @@ def parse_json(body: bytes) -> Any:
 
 
 MAX_ALPHA = 5.0  # the length penalty's exponent a client may ask for (GNMT's alpha; §6.1 uses 0.6)
-OPTIONAL = ("attention", "beam_size", "alpha")
+OPTIONAL = ("attention", "beam_size", "alpha", "explain")
+EXPLAIN_FIELDS = ("kind", "layer", "head", "query")  # one head's row: model.attention_weights.KINDS, indices from 0
+
+
+@dataclass(frozen=True)
+class ExplainRequest:
+    """Which row to open: attention kind ("encoder_self", "decoder_self", "cross"), layer, head and
+    query position, each index counted from 0."""
+
+    kind: str
+    layer: int
+    head: int
+    query: int
 
 
 @dataclass(frozen=True)
@@ -114,6 +131,7 @@ class TranslateRequest:
     attention: bool = False
     beam_size: int | None = None
     alpha: float | None = None
+    explain: ExplainRequest | None = None
 
 
 def parse_translate(body: bytes, max_sentences: int, max_chars: int, max_beam_size: int) -> TranslateRequest:
@@ -126,6 +144,7 @@ def parse_translate(body: bytes, max_sentences: int, max_chars: int, max_beam_si
     if attention and len(sentences) != 1:
         raise HTTPException(422, f'"attention": true is given for one sentence per request; this one has '
                                  f"{len(sentences)} (limit: 1 sentence)")
+    explain = _explain(payload["explain"], len(sentences)) if "explain" in payload else None
     beam = payload.get("beam_size")
     if beam is not None and (isinstance(beam, bool) or not isinstance(beam, int) or not 1 <= beam <= max_beam_size):
         raise HTTPException(422, f'"beam_size" must be an integer from 1 to {max_beam_size} (this server\'s '
@@ -134,7 +153,29 @@ def parse_translate(body: bytes, max_sentences: int, max_chars: int, max_beam_si
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
                               or not 0.0 <= alpha <= MAX_ALPHA):
         raise HTTPException(422, f'"alpha" must be a number from 0 to {MAX_ALPHA}, got {alpha!r}')
-    return TranslateRequest(sentences, attention, beam, None if alpha is None else float(alpha))
+    return TranslateRequest(sentences, attention, beam, None if alpha is None else float(alpha), explain)
+
+
+def _explain(value: Any, n_sentences: int) -> ExplainRequest:
+    """The "explain" field checked for what needs no model: its shape, kind and index types."""
+    shape = '{"kind": ..., "layer": i, "head": j, "query": t}'
+    if not isinstance(value, dict):
+        raise HTTPException(422, f'"explain" must be an object {shape}, got {type(value).__name__}')
+    missing, unknown = [k for k in EXPLAIN_FIELDS if k not in value], sorted(set(value) - set(EXPLAIN_FIELDS))
+    if missing or unknown:
+        raise HTTPException(422, f'"explain" must be {shape}: ' + "; ".join(
+            part for part in (missing and f"missing {', '.join(map(repr, missing))}",
+                              unknown and f"unknown {', '.join(map(repr, unknown))}") if part))
+    if n_sentences != 1:
+        raise HTTPException(422, f'"explain" is given for one sentence per request; this one has {n_sentences} '
+                                 f"(limit: 1 sentence)")
+    if value["kind"] not in KINDS:
+        raise HTTPException(422, f'"explain"."kind" must be one of {", ".join(map(repr, KINDS))}, got {value["kind"]!r}')
+    for name in EXPLAIN_FIELDS[1:]:
+        index = value[name]
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise HTTPException(422, f'"explain"."{name}" must be an integer from 0, got {index!r}')
+    return ExplainRequest(**value)
 
 
 def parse_request(body: bytes, max_sentences: int, max_chars: int) -> list[str]:

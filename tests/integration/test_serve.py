@@ -6,11 +6,14 @@ sentences translated (no cross-talk between requests batched together); each kin
 of bad input gets a 4xx naming the problem, and the replica keeps serving afterwards. The same
 model served from a config's DAG plan on an ``s3://`` work dir (the suite's moto server) and from
 a Model Registry version answers the same; an overloaded replica answers 503 with Retry-After.
+The page, in a headless Chromium: the translation and heatmaps are the API's, and a clicked row's
+step view (q, keys, scores, softmax with and without sqrt(d_k)) shows the API's numbers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.error
 import urllib.request
@@ -44,6 +47,12 @@ def _post(url: str, body, headers: dict | None = None, with_headers: bool = Fals
 
 def _json(obj) -> bytes:
     return json.dumps(obj).encode()
+
+
+def _explain(**change) -> bytes:
+    """An "explain" request for the first row of cross-attention's layer 0, head 0 (every sentence has
+    it), with `change` to its fields."""
+    return _json({"text": ["a dog ."], "explain": {"kind": "cross", "layer": 0, "head": 0, "query": 0, **change}})
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +149,10 @@ def test_concurrent_clients_each_get_their_own_sentences_translated(server, tiny
     (_json({"text": ["a\u0000b"]}), 422, '"text"[0] holds a control character (U+0000'),
     (_json({"text": ["x" * 10_000]}), 413, '"text"[0] has 10000 characters'),
     (_json({"text": ["a"], "beam_size": 99}), 422, "from 1 to 8 (this server's max_beam_size)"),
+    # "explain"'s index types beyond test_bad_explain_requests_are_refused_by_name's: negative, a bool, a string.
+    (_explain(head=-1), 422, '"explain"."head" must be an integer from 0, got -1'),
+    (_explain(query=True), 422, '"explain"."query" must be an integer from 0, got True'),
+    (_explain(layer="0"), 422, '"explain"."layer" must be an integer from 0, got \'0\''),
 ])
 def test_bad_input_gets_a_4xx_naming_it_and_the_replica_keeps_serving(server, body, status, words):
     got, out = _post(f"{server}/translate", body)
@@ -274,6 +287,65 @@ def test_attention_is_the_score_stages_function_and_rows_sum_to_one(server, tiny
         assert all(abs(sum(r) - 1.0) < 1e-5 for layer in maps for head in layer for r in head)
 
 
+def test_explain_opens_a_row_of_the_served_attention(server, tiny_model, wmt14_dir):
+    """`"explain"` returns the row of `"attention"`'s map it names, exactly, from the same translation;
+    on this trained model leaving out 1/sqrt(d_k) makes every row with two or more keys more peaked."""
+    import math
+
+    import sentencepiece as spm
+
+    from pipeline.decoding.attention_explain import explain_attention
+    from pipeline.decoding.translator import load_model
+
+    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[5]
+    for kind, layer, head, query in (("cross", 1, 2, 1), ("decoder_self", 0, 3, 2), ("encoder_self", 1, 0, 4)):
+        ask = {"kind": kind, "layer": layer, "head": head, "query": query}
+        status, out = _post(f"{server}/translate", _json({"text": [sentence], "attention": True, "explain": ask}))
+        assert status == 200, out
+        e = out["explanation"]
+        assert {k: e[k] for k in ask} == ask
+        assert e["weights"] == out["attention"][kind][layer][head][query]
+        keys = out["attention"]["tgt_pieces" if kind == "decoder_self" else "src_pieces"]
+        assert e["key_pieces"] == keys and len(e["keys"]) == len(e["values"]) == len(keys)
+        assert e["entropy"]["unscaled"] < e["entropy"]["scaled"]
+        label = out["attention"]["heads"][kind][layer][head]["label"]
+        assert label.split(":")[0] in ("mostly attends to the same piece", "mostly attends to the previous piece",
+                                       "mostly attends to the next piece", "mostly attends to the first piece",
+                                       "mostly attends to the last piece", "follows the source in order") \
+            or label.startswith(("mostly attends to the piece", "spreads its weight")), label
+    sp = spm.SentencePieceProcessor(model_file=tiny_model["spm"])
+    model = load_model(tiny_model["model"], tiny_model["model_config"])
+    hypothesis = out["translations"][0]
+    for kind in ("encoder_self", "decoder_self", "cross"):
+        n_rows = len(out["attention"]["src_pieces" if kind == "encoder_self" else "tgt_pieces"])
+        for query in range(n_rows):
+            e = explain_attention(model, sp, sp.encode(sentence), hypothesis, kind, 1, 1, query)
+            if sum(e["mask"]) > 1:
+                assert e["entropy"]["unscaled"] < e["entropy"]["scaled"], (kind, query)
+            assert math.isclose(sum(e["weights"]), 1.0, rel_tol=1e-5)
+
+
+def test_bad_explain_requests_are_refused_by_name(server, wmt14_dir):
+    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[5]
+    good = {"kind": "cross", "layer": 0, "head": 0, "query": 0}
+    cases = [
+        ({**good, "layer": 2}, 422, '"layer" 2 is out of range: there are 2 the model\'s cross layers'),
+        ({**good, "head": 4}, 422, '"head" 4 is out of range: there are 4 heads'),
+        ({**good, "kind": "encoder_self", "query": 500}, 422, '"query" 500 is out of range'),
+        ({**good, "query": 500}, 422, '"query" 500 is out of range'),  # found once the translation is known
+        ({**good, "head": 0.5}, 422, '"explain"."head" must be an integer'),
+        ({**good, "kind": "self"}, 422, '"explain"."kind" must be one of'),
+    ]
+    for ask, status, words in cases:
+        got = _post(f"{server}/translate", _json({"text": [sentence], "explain": ask}))
+        assert got[0] == status and words in got[1]["detail"], (ask, got)
+    got = _post(f"{server}/translate", _json({"text": [sentence, sentence], "explain": good}))
+    assert got[0] == 422 and "one sentence per request" in got[1]["detail"], got
+    got = _post(f"{server}/translate", _json({"text": ["word " * 70], "explain": good}))
+    assert got[0] == 413 and '"explain" is given for sentences of at most 128 pieces' in got[1]["detail"], got
+    assert _post(f"{server}/translate", _json({"text": [sentence], "explain": good}))[0] == 200  # and it serves on
+
+
 def test_a_request_may_set_its_beam_and_alpha_within_the_limits(server, tiny_model, wmt14_dir):
     from pipeline.decoding.translator import Translator
 
@@ -351,7 +423,8 @@ def test_the_page_translates_and_draws_the_apis_attention(server, browser, wmt14
     Select(browser.find_element(By.ID, "layer")).select_by_value("1")
     Select(browser.find_element(By.ID, "head")).select_by_value("2")
     cells = browser.execute_script(
-        "return [...document.querySelectorAll('#heatmap td.cell')].map(c => [+c.dataset.row, +c.dataset.col, c.dataset.w])")
+        "return [...document.querySelectorAll('#heatmap td.cell')]"
+        ".map(c => [+c.dataset.row, +c.dataset.col, c.dataset.w])")
     want = api["attention"]["cross"][1][2]
     assert len(cells) == len(want) * len(want[0])
     assert all(float(w) == want[r][c] for r, c, w in cells)  # the double the API sent, as JS printed it
@@ -430,3 +503,49 @@ def test_make_serve_opens_the_page_on_the_last_runs_model(server, browser, tiny_
         assert api[0] == 200 and browser.find_element(By.ID, "translation").text == api[1]["translations"][0].strip()
     finally:
         serve.delete("make-serve")
+
+
+def _entropy(weights: list[float]) -> float:
+    return -sum(w * math.log(w) for w in weights if w > 0)
+
+
+def test_the_page_steps_through_how_a_cross_attention_row_was_computed(server, browser, wmt14_dir, tmp_path):
+    """A real browser: click a cross-attention cell; the step view shows the API's numbers for that
+    row: its weights are the "attention" map's row exactly, the query is the explanation's, and
+    "without sqrt(d_k)" shows softmax(q.k) of the explanation's scores, more peaked (lower entropy)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[9]
+    layer, head, row = 1, 2, 1
+    api = _post(f"{server}/translate", _json({"text": [sentence], "attention": True}))[1]
+    browser.get(f"{server}/")
+    _wait(browser, lambda d: "Model:" in d.find_element(By.ID, "model").text)
+    browser.find_element(By.ID, "source").send_keys(sentence)
+    browser.find_element(By.ID, "translate").click()
+    _wait(browser, lambda d: d.find_element(By.ID, "translation").text.strip() != "")
+    Select(browser.find_element(By.ID, "kind")).select_by_value("cross")
+    Select(browser.find_element(By.ID, "layer")).select_by_value(str(layer))
+    Select(browser.find_element(By.ID, "head")).select_by_value(str(head))
+    label = api["attention"]["heads"]["cross"][layer][head]["label"]
+    assert label and browser.find_element(By.ID, "headlabel").text == f"head {head + 1}: {label}"
+    browser.find_element(By.CSS_SELECTOR, f'#heatmap td.cell[data-row="{row}"][data-col="0"]').click()
+    _wait(browser, lambda d: d.find_element(By.ID, "steps").get_attribute("data-state") in ("ready", "error"))
+    assert browser.find_element(By.ID, "steps").get_attribute("data-state") == "ready", \
+        browser.find_element(By.ID, "steperror").text
+    read = "return [...document.querySelectorAll('#keys td.w')].map(c => c.dataset.w)"
+    shown = [float(w) for w in browser.execute_script(read)]
+    assert shown == api["attention"]["cross"][layer][head][row]  # the doubles the API sent, as JS printed them
+    explained = _post(f"{server}/translate", _json({"text": [sentence], "explain": {
+        "kind": "cross", "layer": layer, "head": head, "query": row}}))[1]["explanation"]
+    q = json.loads(browser.execute_script("return document.querySelector('#q canvas').dataset.values"))
+    assert q == explained["q"] and len(q) == explained["d_k"] == 16  # d_model 64 / 4 heads
+    browser.find_element(By.ID, "unscaled").click()
+    unscaled = [float(w) for w in browser.execute_script(read)]
+    assert unscaled == explained["weights_unscaled"]
+    top = max(explained["scores"])  # q.k of the model's own q and k, softmaxed here without the scale
+    e = [math.exp(x - top) for x in explained["scores"]]
+    assert all(abs(u - x / sum(e)) < 1e-6 for u, x in zip(unscaled, e))
+    assert _entropy(unscaled) < _entropy(shown), (unscaled, shown)
+    assert browser.execute_script("return document.getElementById('pedots').width") > 1  # the positional section
+    browser.save_screenshot(str(tmp_path / "steps.png"))

@@ -10,7 +10,8 @@ import json
 import pytest
 from fastapi import HTTPException
 
-from pipeline.serve.request import MAX_JSON_DEPTH, TranslateRequest, parse_request, parse_translate, read_body
+from pipeline.serve.request import (MAX_JSON_DEPTH, ExplainRequest, TranslateRequest, parse_request, parse_translate,
+                                   read_body)
 
 
 def _refused(body: bytes) -> HTTPException:
@@ -110,7 +111,39 @@ def test_each_bad_translate_request_is_refused_by_name(body, status, words):
     assert e.value.status_code == status and words in e.value.detail, e.value.detail
 
 
+EXPLAIN = {"kind": "cross", "layer": 0, "head": 1, "query": 2}
+
+
+def _with_explain(explain, text=("a",)) -> bytes:
+    return json.dumps({"text": list(text), "explain": explain}).encode()
+
+
+@pytest.mark.parametrize("body, words", [
+    (_with_explain(EXPLAIN, ["a", "b"]), '"explain" is given for one sentence per request; this one has 2'),
+    (_with_explain([0, 0, 0, 0]), '"explain" must be an object {"kind": ..., "layer": i, "head": j, "query": t}, '
+                                  "got list"),
+    (_with_explain(None), '"explain" must be an object'),
+    (_with_explain({"kind": "cross", "layer": 0, "head": 1}), "missing 'query'"),
+    (_with_explain({**EXPLAIN, "row": 1}), "unknown 'row'"),
+    (_with_explain({**EXPLAIN, "kind": "self"}), '"explain"."kind" must be one of \'encoder_self\', '
+                                                 "'decoder_self', 'cross', got 'self'"),
+    (_with_explain({**EXPLAIN, "kind": 1}), '"explain"."kind" must be one of'),
+    (_with_explain({**EXPLAIN, "layer": 1.0}), '"explain"."layer" must be an integer from 0, got 1.0'),
+    (_with_explain({**EXPLAIN, "head": "1"}), '"explain"."head" must be an integer from 0, got \'1\''),
+    (_with_explain({**EXPLAIN, "query": -1}), '"explain"."query" must be an integer from 0, got -1'),
+    (_with_explain({**EXPLAIN, "query": True}), '"explain"."query" must be an integer from 0, got True'),
+])
+def test_each_bad_explain_request_is_refused_by_name(body, words):
+    """What needs no model: one sentence, the object's fields, a known kind, integer indices from 0
+    (the ranges depend on the model and the sentence: the app's, tests/integration/test_serve.py)."""
+    with pytest.raises(HTTPException) as e:
+        _translate(body)
+    assert e.value.status_code == 422 and words in e.value.detail, e.value.detail
+
+
 def test_a_translate_request_with_its_options():
     assert _translate(b'{"text": ["a\\tb"]}') == TranslateRequest(["a\tb"])  # a tab is text
     got = _translate(b'{"text": ["Hallo"], "attention": true, "beam_size": 8, "alpha": 1}')
     assert got == TranslateRequest(["Hallo"], True, 8, 1.0) and isinstance(got.alpha, float)
+    got = _translate(_with_explain({"query": 3, "head": 0, "layer": 5, "kind": "decoder_self"}))
+    assert got == TranslateRequest(["a"], explain=ExplainRequest("decoder_self", 5, 0, 3))
