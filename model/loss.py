@@ -28,7 +28,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
     chunks of `rows` on a CPU."""
 
     @staticmethod
-    def forward(ctx, logits, target, epsilon, ignore_index, rows):  # (M, K), (M,) -> (M,), (M,)
+    def forward(ctx, logits, target, epsilon, ignore_index, rows, overwrite):  # (M, K), (M,) -> (M,), (M,)
         keep = target.ne(ignore_index)  # (M,)
         tgt = target.masked_fill(~keep, 0)
         M, acc = logits.shape[0], _acc_dtype(logits)
@@ -42,7 +42,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         smooth = lse - mean  # (1/K) sum_k -log p(k)
         loss = ((1.0 - epsilon) * nll + epsilon * smooth).masked_fill_(~keep, 0.0)
         ctx.save_for_backward(logits, lse, tgt, keep)
-        ctx.epsilon, ctx.rows = epsilon, rows
+        ctx.epsilon, ctx.rows, ctx.overwrite = epsilon, rows, overwrite and logits.dtype == acc
         return loss, nll.masked_fill_(~keep, 0.0)
 
     @staticmethod
@@ -53,24 +53,29 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         g_loss = grad_loss * keep  # (M,)
         g_nll = grad_nll * keep
         scale, uniform, gold = g_loss + g_nll, (eps / K) * g_loss, -((1.0 - eps) * g_loss + g_nll)
+        lse, scale, uniform, tgt, gold = lse[:, None], scale[:, None], uniform[:, None], tgt[:, None], gold[:, None]
 
-        def rows_grad(s: int, e: int) -> torch.Tensor:  # (e - s, K) in fp32 at least, a copy: logits stay intact
-            x = logits[s:e].to(lse.dtype, copy=True)
-            x.sub_(lse[s:e, None]).exp_().mul_(scale[s:e, None]).sub_(uniform[s:e, None])
-            return x.scatter_add_(1, tgt[s:e, None], gold[s:e, None])
+        def rows_grad(x: torch.Tensor, s: int, e: int) -> torch.Tensor:  # x: rows s:e of the logits, fp32+
+            x.sub_(lse[s:e]).exp_().mul_(scale[s:e]).sub_(uniform[s:e])
+            return x.scatter_add_(1, tgt[s:e], gold[s:e])
 
         rows = ctx.rows
-        if rows >= M:  # one chunk (a GPU): no second (M, K) buffer
-            return rows_grad(0, M).to(logits.dtype), None, None, None, None
+        if ctx.overwrite:  # the logits' own memory becomes their gradient: no second (M, K) buffer
+            for s in range(0, M, rows):
+                rows_grad(logits[s : s + rows], s, s + rows)
+            return logits, None, None, None, None, None
+        if rows >= M:  # one chunk (a GPU): one fp32 copy
+            return rows_grad(logits.to(lse.dtype, copy=True), 0, M).to(logits.dtype), None, None, None, None, None
         grad = torch.empty_like(logits)
-        for s in range(0, M, rows):
-            grad[s : s + rows] = rows_grad(s, s + rows)
-        return grad, None, None, None, None
+        for s in range(0, M, rows):  # each chunk's fp32 copy stays in cache
+            grad[s : s + rows] = rows_grad(logits[s : s + rows].to(lse.dtype, copy=True), s, s + rows)
+        return grad, None, None, None, None, None
 
 
 def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: float = 0.1,
                        ignore_index: int = 0, reduction: str = "sum",
-                       cpu_chunk_elements: int = CPU_CHUNK_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
+                       cpu_chunk_elements: int = CPU_CHUNK_ELEMENTS, overwrite_logits: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Label-smoothed loss and plain NLL of `target` under `logits`.
 
     logits (..., K), target (...) long. Returns (loss, nll):
@@ -88,14 +93,16 @@ def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: floa
     non-pad tokens) or "none" (per position, 0 at pads). Computed in float32 at least; both
     outputs are differentiable (the nll usually serves for logging: detach it). On a CPU the
     logits are walked in rows of about `cpu_chunk_elements` elements (the same values; see
-    `CPU_CHUNK_ELEMENTS`).
+    `CPU_CHUNK_ELEMENTS`). `overwrite_logits`: fp32 logits that nobody reads after the loss (a
+    training step's) become their own gradient in backward, in place: no second (M, K) buffer, whose
+    fresh pages cost the CPU as much as the arithmetic on them (docs/benchmarks.md).
     """
     if reduction not in ("sum", "mean", "none"):
         raise ValueError(f"reduction must be 'sum', 'mean' or 'none', got {reduction!r}")
     K = logits.shape[-1]
     logits = logits.reshape(-1, K)
     loss, nll = _SmoothedCrossEntropy.apply(logits, target.reshape(-1), float(epsilon), ignore_index,
-                                            _rows_per_chunk(logits, cpu_chunk_elements))
+                                            _rows_per_chunk(logits, cpu_chunk_elements), overwrite_logits)
     if reduction == "none":
         return loss.view(target.shape), nll.view(target.shape)
     if reduction == "sum":

@@ -19,6 +19,7 @@ import torch
 from model import ModelConfig, Transformer, beam_search, max_source_len
 from pipeline import storage
 from pipeline.config import Backend, DecodeSettings
+from pipeline.cpu_threads import use_threads
 from pipeline.decoding.batching import pad_batch, plan_batches, prepare_sources
 from pipeline.decoding.text import TextFormat
 
@@ -52,8 +53,8 @@ class Translator:
                  backend: str = "torch", ct2_model: str = "", text: dict[str, str] | None = None):
         import sentencepiece as spm
 
-        if num_threads > 0 and device == "cpu":
-            torch.set_num_threads(num_threads)
+        if device == "cpu":
+            use_threads(num_threads)
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("translate: a GPU was asked for but torch sees none")
         self.device = device

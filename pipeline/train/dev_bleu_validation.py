@@ -40,6 +40,12 @@ def task_resources(cfg: Config) -> tuple[dict[str, Any], str, int]:
     return options, "cuda" if gpus > 0 else "cpu", max(1, int(cpus))
 
 
+def shares_training_cores(cfg: Config) -> bool:
+    """The validation decodes on the CPU without a CPU of its own (``CPU=0``): on the training's cores."""
+    options, device, _ = task_resources(cfg)
+    return device == "cpu" and options["num_cpus"] == 0
+
+
 def reserved_cpus(cfg: Config) -> float:
     """CPUs the validation task reserves on a node (train's auto CPU share leaves them free)."""
     return task_resources(cfg)[0]["num_cpus"] if cfg.eval.dev_bleu else 0.0
@@ -71,7 +77,8 @@ def validation_config(cfg: Config, *, dev_dir: str, vocab: dict[str, Any], run_d
     kwargs = {"run_dir": storage.absolute(run_dir), "dev_dir": storage.absolute(dev_dir),
               "spm": storage.absolute(vocab["model"]), "settings": DevBleuSettings.from_config(cfg).to_dict(),
               "tgt_lang": cfg.data.tgt_lang, "preprocess": cfg.data.preprocess, "device": device, "threads": threads,
-              "batch_tokens": cfg.eval.batch_tokens, "tracking_uri": tracking_uri, "run_id": run_id}
+              "batch_tokens": cfg.eval.batch_tokens, "tracking_uri": tracking_uri, "run_id": run_id,
+              "yield_cpu": shares_training_cores(cfg)}
     log.info("train: dev BLEU per checkpoint in a Ray task (%s), %s", options, kwargs["settings"])
     return ValidationConfig(fn=validate_checkpoint, task_config=ValidationTaskConfig(fn_kwargs=kwargs),
                             ray_remote_kwargs=options)

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.config import ConfigError, Precision, SpeedConfig
+from pipeline.cpu_threads import use_threads
 from pipeline.config.devices import on_for
 from pipeline.train.step import FusedOutput, LossSettings
 
@@ -235,8 +236,7 @@ class WorkerDevice:
 
     def __init__(self, speed: SpeedConfig, device: torch.device, num_threads: int = 0):
         self.speed, self.device = speed, device
-        if num_threads > 0:
-            torch.set_num_threads(num_threads)  # Ray's OMP_NUM_THREADS may say otherwise
+        use_threads(num_threads)  # Ray's OMP_NUM_THREADS may say otherwise
         if device.type == "cpu":
             torch.set_flush_denormal(True)  # denormals slow CPU matmuls many-fold late in training
         else:

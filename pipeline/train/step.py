@@ -71,7 +71,7 @@ def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, settings: LossSetti
         hidden = model(mb.src, mb.tgt_in, NonPad(mb.src_index, mb.tgt_index))  # (M, d)
         logits = _unwrapped(model).logits(hidden) if fused_output is None else None  # (M, V)
     if fused_output is None:
-        return label_smoothed_nll(logits, target, epsilon=epsilon, ignore_index=pad_id)
+        return label_smoothed_nll(logits, target, epsilon=epsilon, ignore_index=pad_id, overwrite_logits=True)
     return linear_label_smoothed_nll(hidden, fused_output.weight, target, epsilon, pad_id, fused_output.dtype)
 
 

@@ -149,3 +149,29 @@ def test_label_smoothing_in_cpu_row_chunks_matches_torch(dtype):
     atol = 1e-12 if dtype == torch.float64 else 2 ** -8 * ref_logits.grad.abs().max().item()
     assert torch.allclose(logits.grad.double(), ref_logits.grad, rtol=0, atol=atol)
     assert (logits.grad[[2, 9]] == 0).all()
+
+
+@pytest.mark.parametrize("chunk_rows", [3, 10])
+def test_overwritten_logits_give_pytorchs_gradients_in_their_own_memory(chunk_rows):
+    """`overwrite_logits`: the fp32 logits of a projection (as in a training step) become their own
+    gradient; what reaches the projection's inputs equals PyTorch's cross entropy through the same
+    projection, and no second (M, K) buffer is made (the gradient's storage is the logits')."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(10, 5, generator=g, requires_grad=True)
+    weight = torch.randn(7, 5, generator=g, requires_grad=True)
+    target = torch.randint(1, 7, (10,), generator=g)
+    target[[1, 6]] = 0
+    seen = []
+    logits = hidden @ weight.t()
+    logits.register_hook(lambda grad: seen.append(grad.data_ptr() == logits.data_ptr()))
+    loss, nll = label_smoothed_nll(logits, target, epsilon=0.1, cpu_chunk_elements=chunk_rows * 7, overwrite_logits=True)
+    (loss + 0.5 * nll).backward()
+    ours = hidden.grad.clone(), weight.grad.clone()
+    ref_h, ref_w = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref_logits = ref_h @ ref_w.t()
+    (F.cross_entropy(ref_logits, target, ignore_index=0, label_smoothing=0.1, reduction="sum")
+     + 0.5 * F.cross_entropy(ref_logits, target, ignore_index=0, reduction="sum")).backward()
+    assert seen == [True]
+    assert loss.item() == pytest.approx(F.cross_entropy(ref_logits.detach(), target, ignore_index=0, label_smoothing=0.1,
+                                                        reduction="sum").item(), rel=1e-5)
+    assert torch.allclose(ours[0].double(), ref_h.grad, atol=1e-5) and torch.allclose(ours[1].double(), ref_w.grad, atol=1e-5)
