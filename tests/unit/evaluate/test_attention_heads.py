@@ -31,7 +31,8 @@ PATTERNS = {  # name -> (kind, weights, the label)
     "monotone": ("cross", torch.tensor([[.4, .35, .25, 0, 0, 0], [0, .4, .35, .25, 0, 0], [0, 0, .4, .35, .25, 0],
                                         [0, 0, 0, .4, .35, .25]]),
                  "follows the source in order: 100% of steps move forward or stay"),
-    "uniform": ("encoder_self", torch.full((L, L), 1 / L), f"spreads its weight: at most {1 / L:.0%} on the same piece"),
+    "uniform": ("encoder_self", torch.full((L, L), 1 / L),
+                f"spreads its weight: at most {1 / L:.0%} on the same piece"),
 }
 
 
