@@ -10,10 +10,13 @@ A head's measures over its (Lq, Lk) map, each the mean over the rows where it is
 - ``monotone`` (cross-attention only): the share of query rows i >= 1 whose most-attended source
   position (argmax) is at or after row i-1's, i.e. how often the alignment moves forward or stays,
   as a monotone alignment always does; null for a one-row map;
+- ``coverage`` (cross-attention only): the share of source positions that are some row's argmax
+  (a head whose argmax never leaves one piece is monotone too, but follows nothing);
 - ``entropy``: the rows' mean entropy (nats): 0 for one-hot rows, ln(Lk) for uniform ones.
 The label names the largest of the position measures (``same`` .. ``top_key``) when it holds at
-least ``MOSTLY`` of the weight; otherwise a cross head that is at least ``MONOTONE`` monotone
-"follows the source in order"; otherwise the head "spreads its weight".
+least ``MOSTLY`` of the weight; otherwise a cross head that is at least ``MONOTONE`` monotone and
+covers at least ``COVERAGE`` of the source "follows the source in order"; otherwise the head
+"spreads its weight".
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from typing import Any, Sequence
 import torch
 
 MOSTLY = 0.5  # a position measure at least this large names the head
-MONOTONE = 0.8  # a cross head whose argmax moves forward or stays this often follows the source in order
+MONOTONE = 0.8  # a cross head whose argmax moves forward or stays this often ...
+COVERAGE = 0.5  # ... and lands on this share of the source positions follows the source in order
 
 
 def _diagonal_mean(w: torch.Tensor, offset: int) -> float | None:
@@ -49,6 +53,7 @@ def head_measures(w: torch.Tensor, kind: str, key_pieces: Sequence[str] | None =
         "top_key": {"index": top, "piece": key_pieces[top] if key_pieces else None, "share": float(column[top])},
         "monotone": (float((argmax[1:] >= argmax[:-1]).float().mean()) if kind == "cross" and len(argmax) > 1
                      else None),
+        "coverage": len(set(argmax.tolist())) / w.shape[1] if kind == "cross" else None,
         "entropy": float(-(w * logs).sum(-1).mean()),
     }
 
@@ -63,8 +68,9 @@ def head_label(m: dict[str, Any]) -> str:
     share, where = max(((s, w) for s, w in candidates if s is not None), key=lambda c: c[0])  # first wins ties
     if share >= MOSTLY:
         return f"mostly attends to {where}: {share:.0%}"
-    if m["monotone"] is not None and m["monotone"] >= MONOTONE:
-        return f"follows the source in order: {m['monotone']:.0%} of steps move forward or stay"
+    if m["monotone"] is not None and m["monotone"] >= MONOTONE and m["coverage"] >= COVERAGE:
+        return (f"follows the source in order: {m['monotone']:.0%} of steps move forward or stay, "
+                f"over {m['coverage']:.0%} of it")
     return f"spreads its weight: at most {share:.0%} on {where}"
 
 

@@ -170,7 +170,8 @@ def _explain(value: Any, n_sentences: int) -> ExplainRequest:
         raise HTTPException(422, f'"explain" is given for one sentence per request; this one has {n_sentences} '
                                  f"(limit: 1 sentence)")
     if value["kind"] not in KINDS:
-        raise HTTPException(422, f'"explain"."kind" must be one of {", ".join(map(repr, KINDS))}, got {value["kind"]!r}')
+        raise HTTPException(422, f'"explain"."kind" must be one of {", ".join(map(repr, KINDS))}, '
+                                 f'got {value["kind"]!r}')
     for name in EXPLAIN_FIELDS[1:]:
         index = value[name]
         if isinstance(index, bool) or not isinstance(index, int) or index < 0:

@@ -30,8 +30,11 @@ PATTERNS = {  # name -> (kind, weights, the label)
     "one source piece": ("cross", _one_hot_rows([2, 2, 2, 3]), 'mostly attends to the piece "c" at position 2: 75%'),
     "monotone": ("cross", torch.tensor([[.4, .35, .25, 0, 0, 0], [0, .4, .35, .25, 0, 0], [0, 0, .4, .35, .25, 0],
                                         [0, 0, 0, .4, .35, .25]]),
-                 "follows the source in order: 100% of steps move forward or stay"),
-    "uniform": ("encoder_self", torch.full((L, L), 1 / L), f"spreads its weight: at most {1 / L:.0%} on the same piece"),
+                 "follows the source in order: 100% of steps move forward or stay, over 67% of it"),
+    "stuck": ("cross", torch.tensor([[.1, .3, .2, .2, .1, .1]] * 5), 'spreads its weight: at most 30% on the piece "b"'
+                                                                     " at position 1"),
+    "uniform": ("encoder_self", torch.full((L, L), 1 / L),
+                f"spreads its weight: at most {1 / L:.0%} on the same piece"),
 }
 
 
@@ -46,10 +49,12 @@ def test_measures_by_hand():
     """previous-token head of a decoder: previous 1 (rows 1..5), same 1/6 (row 0), first 2/6 (rows 0, 1)."""
     m = head_measures(_one_hot_rows([0] + list(range(L - 1))), "decoder_self")
     assert m["previous"] == 1 and m["same"] == pytest.approx(1 / 6) and m["first"] == pytest.approx(2 / 6)
-    assert m["next"] == 0 and m["last"] is None and m["monotone"] is None and m["entropy"] == 0
+    assert m["next"] == 0 and m["last"] is None and m["monotone"] is None and m["coverage"] is None
+    assert m["entropy"] == 0
     cross = head_measures(torch.tensor([[.5, .5, 0], [0, 0, 1.], [1., 0, 0]]), "cross")
     assert cross["same"] is None and cross["previous"] is None and cross["next"] is None
     assert cross["monotone"] == 0.5  # argmax 0 -> 2 forward, 2 -> 0 back
+    assert cross["coverage"] == pytest.approx(2 / 3)  # argmax on columns 0 and 2
     assert cross["entropy"] == pytest.approx(math.log(2) / 3)
     assert cross["top_key"] == {"index": 0, "piece": None, "share": pytest.approx(0.5)}
     assert cross["last"] == pytest.approx(1 / 3)

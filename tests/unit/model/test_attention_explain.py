@@ -100,7 +100,7 @@ def test_every_step_against_the_models_own_modules(kind, widths):
         torch.testing.assert_close(torch.tensor(e["keys"]), k, rtol=0, atol=1e-6)
         torch.testing.assert_close(torch.tensor(e["values"]), v, rtol=0, atol=1e-6)
         allowed = torch.tensor(e["mask"])
-        want_mask = torch.arange(len(allowed)) <= query if kind == "decoder_self" else torch.ones(len(allowed), dtype=torch.bool)
+        want_mask = torch.arange(len(allowed)) <= query if kind == "decoder_self" else torch.ones_like(allowed)
         assert torch.equal(allowed, want_mask)
         dots = k @ q[query]
         assert all((s is None) == (not a) for s, a in zip(e["scores"], e["mask"]))
@@ -172,3 +172,36 @@ def test_each_bad_index_is_named(ask, words):
     problem = explain_problem(_model().cfg, *ask, n_queries=4)
     assert problem is not None and words in problem, problem
     assert explain_problem(_model().cfg, "cross", 1, 3, 3, n_queries=4) is None
+
+
+@pytest.fixture(scope="module")
+def sp(tmp_path_factory):
+    """A real SentencePiece model, trained on a few sentences (ids: pad 0, unk 1, bos 2, eos 3, as ours)."""
+    import sentencepiece as spm
+
+    prefix = tmp_path_factory.mktemp("spm") / "spm"
+    words = "the a dog cat runs sleeps on red green grass mat der die das hund katze läuft schläft auf gras".split()
+    lines = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(6)) for i in range(200)]
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(prefix), vocab_size=45,
+                                   model_type="bpe", pad_id=0, unk_id=1, bos_id=2, eos_id=3, minloglevel=2)
+    return spm.SentencePieceProcessor(model_file=f"{prefix}.model")
+
+
+def test_explain_attention_names_positions_as_the_maps_do(sp):
+    from pipeline.decoding.attention_explain import explain_attention
+    from pipeline.decoding.attention_maps import translation_attention
+
+    model = _model()
+    src = sp.encode("the dog sleeps on the mat")
+    hypothesis = "der hund schläft"
+    att = translation_attention(model, sp, src, hypothesis)
+    for kind, keys, queries in (("encoder_self", att.src_pieces, att.src_pieces),
+                                ("decoder_self", att.tgt_pieces, att.tgt_pieces),
+                                ("cross", att.src_pieces, att.tgt_pieces)):
+        query = len(queries) - 1
+        e = explain_attention(model, sp, src, hypothesis, kind, 1, 3, query)
+        assert (e["kind"], e["layer"], e["head"], e["query"]) == (kind, 1, 3, query)
+        assert e["query_piece"] == queries[query] and e["key_pieces"] == keys
+        assert e["weights"] == att.maps[kind][1, 3, query].tolist()
+        with pytest.raises(ValueError, match=f'"query" {query + 1} is out of range'):
+            explain_attention(model, sp, src, hypothesis, kind, 1, 3, query + 1)
