@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import model.loss as model_loss  # noqa: E402
 from model import ModelConfig, label_smoothed_nll  # noqa: E402
 from model.kernels import Dropout  # noqa: E402
+from pipeline.cpu_threads import use_threads  # noqa: E402
 from pipeline.train import step as train_step  # noqa: E402
 
 K = 8000
@@ -161,7 +162,7 @@ def main() -> None:
     p.add_argument("--only", choices=["loss", "dropout", "steps"], default=None)
     args = p.parse_args()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        use_threads(args.threads)
     torch.set_flush_denormal(True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"CPU_CHUNK_ELEMENTS = {model_loss.CPU_CHUNK_ELEMENTS}")

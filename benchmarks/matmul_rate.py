@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from pipeline.config import load_config  # noqa: E402
+from pipeline.cpu_threads import use_threads  # noqa: E402
 from pipeline.models import model_config_for  # noqa: E402
 from pipeline.plan import cpu_rate  # noqa: E402
 from pipeline.plan.flops import MicroShape, step_flops  # noqa: E402
@@ -89,7 +90,7 @@ def main() -> None:
     mc = model_config_for(cfg, {"vocab_size": cfg.vocab.size})
     precision, threads = local_cpu_training(cfg)
     threads = args.threads or threads
-    torch.set_num_threads(threads)
+    use_threads(threads)
     torch.set_flush_denormal(True)  # as the worker (pipeline.train.device.WorkerDevice)
     print(f"torch {torch.__version__}, {threads} threads, {args.config}: the step runs in {precision} here")
     s_per_step, flops, micro = bench_step(args, cfg, mc, precision)

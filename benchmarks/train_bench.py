@@ -44,6 +44,7 @@ from pipeline.plan import step_groups
 from pipeline.train import token_batches
 from pipeline.train.token_batches import BatchLayout
 from pipeline.config import Config
+from pipeline.cpu_threads import use_threads
 from pipeline.train.corpus import load_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
 from pipeline.train.device import resolve_precision, row_multiple
@@ -159,7 +160,7 @@ def main() -> None:
         return ray_main(args)
     if args.cpu_bf16 or args.convergence:
         return cpu_bf16_main(args)
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -202,7 +203,7 @@ def ray_main(args) -> None:
     cpus = os.cpu_count() or 1
     logging.basicConfig(level=logging.WARNING)
     start_local_ray(num_cpus=cpus, log_to_driver=False)
-    torch.set_num_threads(cpus)
+    use_threads(cpus)
     cpu = torch.device("cpu")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -248,7 +249,7 @@ def cpu_bf16_main(args) -> None:
 
     from pipeline.train.device import cpu_bf16_features
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    use_threads(os.cpu_count() or 1)
     logging.basicConfig(level=logging.WARNING)
     cpu = torch.device("cpu")
     features = cpu_bf16_features()

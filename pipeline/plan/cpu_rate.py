@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import ModelConfig, NonPad, Transformer, label_smoothed_nll
+from pipeline.cpu_threads import use_threads
 from pipeline.plan.flops import MicroShape
 
 Layout = tuple[tuple[int, int], tuple[int, int]]  # (shape, strides) of a 2-D operand
@@ -93,13 +94,14 @@ def step_gemms(mc: ModelConfig, micro: MicroShape, label_smoothing: float = 0.1)
 
 @contextlib.contextmanager
 def torch_threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to `n` (> 0) inside, restored after."""
+    """torch's intra-op threads `n` (> 0) inside, restored after; set only where the count differs
+    (`pipeline.cpu_threads`: setting it slows the process's attention kernels for good)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(n)
+    use_threads(n)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        use_threads(before)
 
 
 def time_gemm(g: Gemm, dtype: torch.dtype, repeats: int = 5) -> float:
