@@ -74,7 +74,10 @@ def _actor_resources(cfg: Any) -> tuple[dict[str, Any], str, int]:
 
         largest = max(node_cpus(), default=1)
         threads = int(largest // max(1, cfg.eval.num_workers))
-    return {"num_cpus": num_cpus}, "cpu", max(1, int(num_cpus), threads)
+    threads = max(1, int(num_cpus), threads)
+    # Started with OMP_NUM_THREADS at that count (Ray would give them their CPU count), the actors
+    # already have their threads and never call torch.set_num_threads (`pipeline.cpu_threads`).
+    return {"num_cpus": num_cpus, "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}}}, "cpu", threads
 
 
 def translate_rows(rows: pd.DataFrame, translator_kwargs: dict[str, Any], num_workers: int,

@@ -110,3 +110,19 @@ def test_translate_rows_with_nothing_to_decode_needs_no_ray():
     rows = pd.DataFrame(columns=["split", "idx", "batch_id", "src_ids"])
     out = translate.translate_rows(rows, {}, num_workers=2, resources={})
     assert out.empty and {"idx", "hyp", "failed"} <= set(out.columns)
+
+
+def test_cpu_actors_start_with_the_threads_they_decode_with(monkeypatch):
+    """The actors hold run.data_num_cpus Ray CPUs but decode with the node's threads: they are started
+    with OMP_NUM_THREADS at that count, so none calls torch.set_num_threads (`pipeline.cpu_threads`)."""
+    from unittest import mock
+
+    from pipeline.config import load_config
+
+    cfg = load_config("configs/local.toml", ["--eval.use_gpu=false", "--eval.num_workers=1"])
+    with mock.patch("ray.cluster_resources", return_value={"CPU": 4.0}), \
+            mock.patch("pipeline.ray_env.node_cpus", return_value=[4.0]):
+        resources, device, threads = translate._actor_resources(cfg)
+    assert device == "cpu" and threads == 4
+    assert resources["num_cpus"] == cfg.run.data_num_cpus
+    assert resources["runtime_env"] == {"env_vars": {"OMP_NUM_THREADS": "4"}}
