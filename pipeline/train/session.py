@@ -41,7 +41,10 @@ class Session(Protocol):
 
 
 class LocalSession:
-    """In-process session: checkpoints are copied to `root/<name>`; rank/world from torch.distributed."""
+    """In-process session: checkpoints are stored as `root/<name>`; rank/world from torch.distributed.
+
+    As with Ray Train, a checkpoint reported for an asynchronous upload is the session's to
+    delete once stored (here it is moved), and a synchronous one stays the caller's (copied)."""
 
     def __init__(self, root: str | Path, device: str = "cpu"):
         self.root = Path(root)
@@ -62,7 +65,11 @@ class LocalSession:
                upload_async: bool = False) -> None:
         self.reports.append(dict(metrics))
         if checkpoint_dir is not None and self.rank == 0:
-            shutil.copytree(checkpoint_dir, self.root / (dir_name or f"checkpoint_{len(self.reports)}"))
+            stored = self.root / (dir_name or f"checkpoint_{len(self.reports)}")
+            if upload_async:
+                shutil.move(checkpoint_dir, stored)
+            else:
+                shutil.copytree(checkpoint_dir, stored)
 
     def before_step(self, step: int) -> None:
         pass

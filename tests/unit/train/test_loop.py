@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,20 @@ def test_checkpoint_folder_follows_the_stage_contract(shards, tmp_path):
     assert state["scheduler"]["last_epoch"] == 8  # the lr schedule advanced once per step
     weights = torch.load(last / "model.pt", weights_only=True)
     assert all(t.device.type == "cpu" for t in weights.values())
+
+
+@pytest.mark.parametrize("upload", ["async", "sync"])
+def test_a_stored_checkpoint_leaves_no_temporary_folder(shards, tmp_path, monkeypatch, upload):
+    """Each checkpoint is written to a fresh temporary folder; once stored, none may remain (a
+    long run would otherwise fill the machine's temporary space with every checkpoint it wrote)."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    session = LocalSession(tmp_path / "store")
+    train_worker(tiny_spec(shards, max_steps=8, checkpoint_upload=upload), session)
+    assert [p.name for p in session.checkpoints()] == ["checkpoint_0000004", "checkpoint_0000008"]
+    assert all(sorted(p.name for p in c.iterdir()) == sorted(train_checkpoint.FILES) for c in session.checkpoints())
+    assert sorted(p.name for p in scratch.glob("checkpoint_*")) == []
 
 
 def test_session_wrapper_injects_a_fault_once(shards, tmp_path):
