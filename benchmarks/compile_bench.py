@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from model import ModelConfig  # noqa: E402
 from pipeline.config import Config  # noqa: E402
+from pipeline.cpu_threads import use_threads  # noqa: E402
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer  # noqa: E402
 from tests.support.synthetic import write_reverse_task  # noqa: E402
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        use_threads(args.threads)
     precisions = ["fp32", "bf16"] if args.precision == "both" else [args.precision]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

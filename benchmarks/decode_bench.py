@@ -55,6 +55,7 @@ from model import ModelConfig, Transformer, max_source_len  # noqa: E402
 from pipeline.config import DecodeSettings  # noqa: E402
 from pipeline.decoding import batching, translator  # noqa: E402
 from pipeline.evaluate import translate  # noqa: E402
+from pipeline.cpu_threads import use_threads  # noqa: E402
 
 log = logging.getLogger("decode_bench")
 
@@ -97,7 +98,7 @@ class TimedTranslator(translator.Translator):
 
 def plain_loop(assets: dict, settings: dict, batch_tokens: int, threads: int) -> tuple[float, dict, float]:
     """Translator in this process over the planned batches: (seconds, idx -> hypothesis, CPU seconds)."""
-    torch.set_num_threads(threads)
+    use_threads(threads)
     tr = translator.Translator(assets["model"], assets["model_config"], assets["spm"], settings)
     df = batching.read_split(assets["split_dir"], ["idx", "src_ids"])
     max_len = max_source_len(tr.cfg.max_positions, settings["max_len_a"], settings["max_len_b"])

@@ -95,8 +95,9 @@ def bench_validation(args: argparse.Namespace) -> dict:
     from pipeline.config import DecodeSettings
     from pipeline.decoding.conversion import export_ct2, export_hf
     from pipeline.decoding.dev_bleu import DevBleuSettings, score_checkpoint
+    from pipeline.cpu_threads import use_threads
 
-    torch.set_num_threads(max(int(t) for t in args.threads.split(",")))
+    use_threads(max(int(t) for t in args.threads.split(",")))
     rows = []
     with tempfile.TemporaryDirectory(prefix="devbleu-bench-") as tmp:
         root = Path(tmp)

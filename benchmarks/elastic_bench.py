@@ -174,7 +174,6 @@ def cluster_part(a: argparse.Namespace, shards: Path, work: Path) -> dict[str, A
 
 
 def outage_part(a: argparse.Namespace, shards: Path, work: Path, buffered: bool) -> dict[str, Any]:
-    import torch
     from mlflow import MlflowClient
 
     from model import ModelConfig
@@ -182,11 +181,12 @@ def outage_part(a: argparse.Namespace, shards: Path, work: Path, buffered: bool)
     from pipeline.config import load_config
     from pipeline.train import metrics
     from pipeline.train.loop import LocalSession, LoopSpec, Trainer
+    from pipeline.cpu_threads import use_threads
     from tests.support.mlflow_server import MlflowServer
 
     os.environ.update({"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "4", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                        "MLFLOW_HTTP_REQUEST_TIMEOUT": "5"})
-    torch.set_num_threads(2)
+    use_threads(2)
     cfg = load_config(None, [f"--train.max_steps={10**6}", "--metrics.log_interval_steps=2",
                              "--checkpoint.interval_steps=1000000", "--metrics.val_loss_interval_steps=1000000",
                              *model_args(a)])

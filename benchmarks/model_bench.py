@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import ModelConfig, NonPad, Transformer, beam_search, label_smoothed_nll, make_optimizer  # noqa: E402
+from pipeline.cpu_threads import use_threads  # noqa: E402
 
 PAD, BOS, EOS = 0, 2, 3
 SIZES = {  # vocab, d_model, d_ff, heads, layers (each side)
@@ -174,7 +175,7 @@ def main() -> None:
                    help="auto: process CPU time on cpu (robust to other jobs on a shared box), wall on cuda")
     p.add_argument("--peak-flops", type=float, default=None, help="device peak FLOP/s, for MFU on cuda")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     torch.set_flush_denormal(True)
     torch.manual_seed(0)
     device_type = torch.device(args.device).type

@@ -13,9 +13,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from pipeline.config import DecodeSettings
+from pipeline.cpu_threads import use_threads
 from pipeline.decoding import translator
 
 log = logging.getLogger("decode_bench")
@@ -57,7 +56,7 @@ def compare_engines(args: argparse.Namespace) -> dict:
     refs = ref_file.read_text(encoding="utf-8").splitlines()[:args.num_sentences]
     settings = asdict(DecodeSettings(beam_size=args.beam, alpha=args.alpha))  # §6.1: beam 4, alpha 0.6
     results: dict = {"settings": settings, "num_sentences": len(src), "threads": args.threads, "engines": []}
-    torch.set_num_threads(args.threads)
+    use_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         assets = engine_assets(args, Path(tmp))
         results["model"] = assets["model_config"]
