@@ -7,6 +7,9 @@ figures are drawn with the pieces as axis labels, one panel per layer (rows) and
 - ``attention-<i>-cross.png``: decoder cross-attention (rows: target pieces, columns: source
   pieces): which source words each generated word looks at;
 - ``attention-<i>-encoder.png``: encoder self-attention (source x source).
+Each panel is titled with its head's measured character (``pipeline.decoding.attention_heads``:
+"mostly attends to the previous piece: 71%", "follows the source in order", ...), which the
+report lists too.
 """
 
 from __future__ import annotations
@@ -29,8 +32,12 @@ def pick_sentences(src_ids: Sequence[Sequence[int]], hyps: Sequence[str], count:
     return sorted(fits + rest[:count - len(fits)])
 
 
-def draw(maps: Any, src_pieces: list[str], tgt_pieces: list[str], kind: str, path: Path, title: str) -> Path:
-    """One grid of heatmaps (layers x heads) of ``maps`` (L, h, Tq, Tk) to ``path`` (PNG)."""
+def draw(maps: Any, src_pieces: list[str], tgt_pieces: list[str], kind: str, path: Path, title: str,
+         labels: Sequence[Sequence[str]] = ()) -> Path:
+    """One grid of heatmaps (layers x heads) of ``maps`` (L, h, Tq, Tk) to ``path`` (PNG); ``labels``
+    [layer][head], each head's measured character (``attention_heads``), under its panel's title."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,7 +54,8 @@ def draw(maps: Any, src_pieces: list[str], tgt_pieces: list[str], kind: str, pat
             ax.imshow(maps[layer, head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
             ax.set_xticks(range(tk), cols, rotation=90, fontsize=6)
             ax.set_yticks(range(tq), rows, fontsize=6)
-            ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=7)
+            label = "\n" + textwrap.fill(labels[layer][head], width=max(24, int(size * 9))) if labels else ""
+            ax.set_title(f"layer {layer + 1}, head {head + 1}{label}", fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -72,13 +80,14 @@ def attention_figures(model_path: str, model_config: dict[str, Any], spm_path: s
         att = translation_attention(model, sp, src_ids[i], hyps[i])  # the Serve app's numbers too
         maps, src_pieces, tgt_pieces = att.maps, att.src_pieces, att.tgt_pieces
         source = sp.decode(list(src_ids[i]))
-        files = {}
+        files, heads = {}, {}
         for kind, name in (("cross", "cross"), ("encoder_self", "encoder")):
+            heads[kind] = [[h["label"] for h in layer] for layer in att.heads[kind]]
             path = out_dir / f"attention-{n + 1}-{name}.png"
             what = "decoder cross-attention (rows: translation, columns: source)" if kind == "cross" else \
                 "encoder self-attention"
-            draw(maps[kind], src_pieces, tgt_pieces, kind, path, f"{what}\n{source}  ->  {hyps[i]}")
+            draw(maps[kind], src_pieces, tgt_pieces, kind, path, f"{what}\n{source}  ->  {hyps[i]}", heads[kind])
             files[kind] = path.name
-        out.append({"index": i, "source": source, "translation": hyps[i], "files": files})
+        out.append({"index": i, "source": source, "translation": hyps[i], "files": files, "heads": heads})
     log.info("score: attention maps of %d test sentence(s) drawn", len(out))
     return out

@@ -215,7 +215,10 @@ def attention_lines(figures: list[dict[str, Any]]) -> str:
     for n, fig in enumerate(figures, 1):
         out += [f"{n}. {fig['source']} -> {fig['translation']}",
                 f"   [decoder cross-attention](attention/{fig['files']['cross']}), "
-                f"[encoder self-attention](attention/{fig['files']['encoder_self']})"]
+                f"[encoder self-attention](attention/{fig['files']['encoder_self']}); its cross-attention "
+                "heads, as measured on this sentence (pipeline/decoding/attention_heads.py):"]
+        out += [f"   - layer {layer}: " + "; ".join(f"head {head}: {label}" for head, label in enumerate(labels, 1))
+                for layer, labels in enumerate(fig["heads"]["cross"], 1)]
     return "\n".join(out) + "\n"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -80,6 +81,11 @@ def test_multi30k_config_end_to_end(tmp_path, multi30k_dir, capsys, monkeypatch)
     for name in pngs:
         assert f"(attention/{name})" in report
         assert (score_dir / "attention" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # each sentence's cross-attention heads named in the report: 1 decoder layer x 2 heads (SMALL)
+    head_lines = re.findall(r"^   - layer (\d+): head 1: (.+); head 2: (.+)$", report, flags=re.M)
+    assert [line[0] for line in head_lines] == ["1", "1"], report
+    character = re.compile(r"(mostly attends to .+: \d+%|follows the source in order: .+|spreads its weight: .+)$")
+    assert all(character.match(label) for line in head_lines for label in line[1:]), head_lines
     logged = {a.path for a in client.list_artifacts(children["score"].info.run_id, "attention")}
     assert logged == {f"attention/{n}" for n in pngs}
 
