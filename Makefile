@@ -44,6 +44,8 @@ run: install
 # The published Multi30k number on a CPU (README, "Reproduced here"): configs/multi30k-tiny.toml, the published
 # recipe, BLEU4 41.27 in 2.9 h on 2 cores with bf16 (AVX512-BF16). MULTI30K_CONFIG=configs/multi30k-fast.toml:
 # 37.7 in 48 min there; ~3.6 s per step instead of ~0.85 in fp32 on an AVX2-only CPU (~3 h).
+# ARGS=--train.max_steps=2400: the recipe stopped at its step 2,400, a first model in under an hour on
+# 2 AVX2 cores in fp32 (BLEU4 37.23 in 57 min; docs/benchmarks.md, "A first model in an hour").
 multi30k: install
 	$(BIN)/python workflows/reproduce_base.py --config $(MULTI30K_CONFIG) --record $(RUN_RECORD) $(if $(MULTI30K_MIRROR),--data.mirror=$(MULTI30K_MIRROR),) $(ARGS)
 
