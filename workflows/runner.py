@@ -165,20 +165,14 @@ def format_bill(cfg: Config, plans: list[StagePlan], mfu_from: str = "") -> str:
     This CPU's bill (pipeline/plan/cpu_bill.py) when the run trains on it, else the GPUs'
     (pipeline/plan/bill.py)."""
     from pipeline.models import model_config_for
-    from pipeline.plan import bill
     from pipeline.train.corpus import load_lengths
+    from pipeline.train.driver import train_bill
 
     by_name = {p.stage.name: p for p in plans}
     vocab, encode = by_name["vocab"].manifest, by_name["encode"].manifest
     mc = model_config_for(cfg, vocab.outputs if vocab else {"vocab_size": cfg.vocab.size})
     lengths = load_lengths(encode.outputs["splits"]["train"]["dir"]) if encode else None
-    source = f"the encode stage's {len(lengths[0]):,} training pairs" if lengths else ""
-    if bill.trains_on_this_cpu(cfg):
-        from pipeline.plan.cpu_bill import make_cpu_bill
-        from pipeline.train.driver import local_cpu_training
-
-        return make_cpu_bill(cfg, mc, *local_cpu_training(cfg), lengths, source, shapes=True).format()
-    return bill.make_bill(cfg, mc, lengths, source, mfu_from, shapes=True).format()
+    return train_bill(cfg, mc, lengths, mfu_from, shapes=True).format()
 
 
 def _file_list(out_dir: str, checksum: bool) -> list[dict[str, Any]]:

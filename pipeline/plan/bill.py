@@ -343,10 +343,9 @@ def trains_on_this_cpu(cfg: Config) -> bool:
     return cfg.workers.use_gpu is False or not torch.cuda.is_available()
 
 
-def for_lengths(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray], mfu_from: str = "",
-                shapes: bool = False) -> Bill:
-    """The bill with the encode stage's training lengths (src_len, tgt_len), already loaded (the train stage)."""
-    return make_bill(cfg, mc, lengths, f"the encode stage's {len(lengths[0]):,} training pairs", mfu_from, shapes)
+def encode_lengths_source(lengths: tuple[np.ndarray, np.ndarray]) -> str:
+    """How a bill names the encode stage's training lengths (src_len, tgt_len) it was made at."""
+    return f"the encode stage's {len(lengths[0]):,} training pairs"
 
 
 def num_parameters(cfg: Config, vocab_size: int | None = None) -> int:

@@ -63,6 +63,10 @@ class CpuBill:
     notes: tuple[str, ...] = ()
 
     @property
+    def flops_per_step(self) -> float:
+        return self.counted.flops_per_step
+
+    @property
     def s_per_step(self) -> float:
         return self.counted.flops_per_step / (self.rate.rate * self.share)
 

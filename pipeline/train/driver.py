@@ -35,7 +35,7 @@ from pipeline.config import Config
 from pipeline.config.devices import use_gpus
 from pipeline.decoding.selection import kept_shortfall
 from pipeline.models import model_config_for
-from pipeline.plan import step_groups
+from pipeline.plan import bill, step_groups
 from pipeline.plan.step_groups import worker_range
 from pipeline.ray_env import ensure_ray, node_cpus, worker_logging
 from pipeline.stage import StageContext, StageResult
@@ -338,23 +338,23 @@ def check_early_stop(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> None:
              tc.early_stop_metric)
 
 
+def train_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None,
+               mfu_from: str = "", shapes: bool = False) -> Any:
+    """The train stage's bill (`--plan`'s, the run's params) at the encode stage's `lengths` (None: assumed
+    ones): this CPU's (pipeline/plan/cpu_bill.py) when the run trains on it, else the GPUs' (plan/bill.py)."""
+    source = bill.encode_lengths_source(lengths) if lengths is not None else ""
+    if bill.trains_on_this_cpu(cfg):
+        from pipeline.plan.cpu_bill import make_cpu_bill
+
+        return make_cpu_bill(cfg, mc, *local_cpu_training(cfg), lengths, source, shapes=shapes)
+    return bill.make_bill(cfg, mc, lengths, source, mfu_from, shapes)
+
+
 def _log_bill(ctx: StageContext, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray]) -> None:
-    """--plan's bill as the run's MLflow params: this CPU's when the run trains on it
-    (pipeline/plan/cpu_bill.py), else the GPUs' (pipeline/plan/bill.py); never fails training."""
-    from pipeline.plan import bill
-
+    """`train_bill` as the run's MLflow params; never fails training."""
     try:
-        if bill.trains_on_this_cpu(ctx.cfg):
-            from pipeline.plan.cpu_bill import make_cpu_bill
-
-            b = make_cpu_bill(ctx.cfg, mc, *local_cpu_training(ctx.cfg), lengths,
-                              f"the encode stage's {len(lengths[0]):,} training pairs")
-            log.info("train: the bill on %s: %.4g FLOPs per step, %.3g h", b.rate.describe(),
-                     b.counted.flops_per_step, b.hours)
-        else:
-            b = bill.for_lengths(ctx.cfg, mc, lengths)
-            log.info("train: the bill at plan.gpu_type %s: %.4g FLOPs per step, %.3g h and %.3g GPU-hours at MFU %.3g",
-                     b.gpu_type, b.flops_per_step, b.hours, b.gpu_hours, b.mfu)
+        b = train_bill(ctx.cfg, mc, lengths)
+        log.info("train: the %s: %.4g FLOPs per step, %.3g h", b.format().splitlines()[0], b.flops_per_step, b.hours)
         ctx.tracker.log_params(b.params())
     except Exception as e:  # noqa: BLE001 (an unknown gpu_type, a changed MLflow param): a note, not a failure
         log.warning("train: no bill in the run's params (%s: %s)", type(e).__name__, e)

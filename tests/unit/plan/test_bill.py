@@ -167,7 +167,8 @@ def test_plan_bills_with_the_cached_encode_stage_and_the_run_logs_it(tmp_path):
     ctx = SimpleNamespace(cfg=cfg, tracker=SimpleNamespace(log_params=logged.update))
     mc = ModelConfig(vocab_size=64, d_model=32, d_ff=64, n_heads=2)
     _log_bill(ctx, mc, load_lengths(str(train_dir)))
-    b = bill.for_lengths(cfg, mc, load_lengths(str(train_dir)))
+    lengths = load_lengths(str(train_dir))
+    b = bill.make_bill(cfg, mc, lengths, bill.encode_lengths_source(lengths))
     assert logged["bill/hours"] == f"{b.hours:.4g}" and logged["bill/num_gpus"] == 2
     assert logged["bill/mfu_source"].startswith("an ASSUMPTION")
 
