@@ -31,10 +31,12 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install "$(TORCH_SPEC)" uv
 	@# torch with pip (it reads pip's own config, e.g. a find-links folder holding a CPU wheel); the rest
-	@# with uv, which installs the ~190 packages in parallel: 18 s here instead of pip's ~2.5 min.
+	@# with uv, which installs the ~190 packages in parallel: 18 s instead of pip's ~2.5 min (2 cores, AVX2;
+	@# measured before --compile-bytecode, which adds ~24 s on 2 cores, AVX512-BF16).
 	@# --compile-bytecode: uv, unlike pip, writes no .pyc files, and where PYTHONDONTWRITEBYTECODE is
 	@# set nothing ever does, so every Ray worker compiled ray, ray.data, ray.train and mlflow from
-	@# source at each start (ray.train: 3.9 s of CPU instead of 1.5 s; docs/benchmarks.md, "Process start-up").
+	@# source at each start (ray.train: 3.9 s of CPU instead of 1.5 s on 2 cores, AVX512-BF16; docs/benchmarks.md,
+	@# "Process start-up").
 	$(BIN)/uv pip install --compile-bytecode --python $(BIN)/python -e '.[test]'
 	touch $@
 
@@ -42,10 +44,10 @@ run: install
 	$(BIN)/python workflows/reproduce_base.py --config $(CONFIG) --record $(RUN_RECORD) $(if $(WMT14_MIRROR),--data.mirror=$(WMT14_MIRROR),) $(ARGS)
 
 # The published Multi30k number on a CPU (README, "Reproduced here"): configs/multi30k-tiny.toml, the published
-# recipe, BLEU4 41.27 in 2.9 h on 2 cores with bf16 (AVX512-BF16). MULTI30K_CONFIG=configs/multi30k-fast.toml:
-# 37.7 in 48 min there; ~3.6 s per step instead of ~0.85 in fp32 on an AVX2-only CPU (~3 h).
-# ARGS=--train.max_steps=2400: the recipe stopped at its step 2,400, a first model in under an hour on
-# 2 AVX2 cores in fp32 (BLEU4 37.23 in 57 min; docs/benchmarks.md, "A first model in an hour").
+# recipe, BLEU4 41.27 in 2.9 h (2 cores, AVX512-BF16, bf16); ~3.1 h estimated (2 cores, AVX2, fp32).
+# MULTI30K_CONFIG=configs/multi30k-fast.toml: 37.7 in 48 min (2 cores, AVX512-BF16, bf16).
+# ARGS=--train.max_steps=2400: the recipe stopped at its step 2,400, a first model in under an hour
+# (BLEU4 37.23 in 57 min; 2 cores, AVX2, fp32; docs/benchmarks.md, "A first model in an hour").
 multi30k: install
 	$(BIN)/python workflows/reproduce_base.py --config $(MULTI30K_CONFIG) --record $(RUN_RECORD) $(if $(MULTI30K_MIRROR),--data.mirror=$(MULTI30K_MIRROR),) $(ARGS)
 
