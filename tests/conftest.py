@@ -46,6 +46,16 @@ def wmt14_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, wmt14_dir) -> dict:
+    """A 2+2-layer model trained ~20 s on news-commentary (tests/support/tiny_model.py), and its
+    SentencePiece model: ``{"model", "model_dir", "model_config", "spm"}``; the export, backend and
+    serve tests use it, and the reference trace checks its weights to the bit."""
+    from tests.support.tiny_model import train_tiny_model
+
+    return train_tiny_model(wmt14_dir, tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     """One local Ray for the whole test session (2 CPUs), started as the driver starts its own
     (pipeline.ray_env: its workers know its address; the dashboard stays on, which Ray Train's

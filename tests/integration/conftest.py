@@ -1,20 +1,11 @@
-"""Integration fixtures: one tiny Transformer trained here for the export / backend / serve tests, and
-one MLflow server for the tests that track to a server."""
+"""Integration fixtures: the tiny Transformer (tests/conftest.py) exported for the export / backend / serve
+tests, and one MLflow server for the tests that track to a server."""
 
 from __future__ import annotations
 
 from typing import Iterator
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, wmt14_dir) -> dict:
-    """A 2+2-layer model trained ~20 s on news-commentary (tests/support/tiny_model.py), and its
-    SentencePiece model: ``{"model", "model_dir", "model_config", "spm"}``."""
-    from tests.support.tiny_model import train_tiny_model
-
-    return train_tiny_model(wmt14_dir, tmp_path_factory.mktemp("tiny_model"))
 
 
 @pytest.fixture(scope="session")

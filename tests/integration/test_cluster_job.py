@@ -123,7 +123,7 @@ TINY = ["--config", "configs/local.toml", "--data.max_pairs_per_corpus=300", "--
         "--train.warmup_steps=5", "--checkpoint.interval_steps=5", "--metrics.log_interval_steps=5",
         "--metrics.val_loss_interval_steps=10", "--checkpoint.num_to_keep=2", "--eval.average_last=2",
         "--eval.beam_size=2", "--eval.max_len_a=0", "--eval.max_len_b=5", "--eval.max_sentences=20",
-        "--eval.dev_bleu=false"]  # dev BLEU while training: test_dev_bleu.py, test_end_to_end.py
+        "--eval.dev_bleu=false", "--speed.precision=fp32"]  # dev BLEU while training: test_dev_bleu.py, test_end_to_end.py
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ whose validation task raises still finishes normally.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,7 +96,8 @@ def test_dev_bleu_is_logged_while_training_and_matches_the_translate_cli(work, m
             [sys.executable, "-m", "pipeline.decoding.translate_cli", "--model-dir", str(checkpoint), "--spm", spm,
              "--beam", "1", "--alpha", str(cfg.eval.alpha), "--max-len-a", str(cfg.eval.max_len_a),
              "--max-len-b", str(cfg.eval.max_len_b), "--device", "cpu"],
-            input=src.read_text(encoding="utf-8"), capture_output=True, text=True, check=True, cwd=REPO).stdout
+            input=src.read_text(encoding="utf-8"), capture_output=True, text=True, check=True, cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout  # one thread, as the dev-BLEU task decodes
         hyp = tmp_path / f"hyp.{step}.de"
         hyp.write_text(hyps, encoding="utf-8")
         want_bleu, want_chrf = (float(subprocess.run(

@@ -33,6 +33,7 @@ OUTAGE_S = 12.0  # > MLflow's retries below (1 + 2 + 4 s of backoff)
 
 def spec_for(shards: Path, uri: str, run_id: str, max_steps: int, work_dir: Path) -> LoopSpec:
     cfg = Config()
+    cfg.speed.precision = "fp32"  # the step-rate bounds below were measured in fp32, on every CPU class
     cfg.run.work_dir = str(work_dir)  # the spool: <work_dir>/ray_train/tracking_spool
     t = cfg.train
     t.max_steps, t.tokens_per_step, cfg.speed.max_tokens_per_batch, t.warmup_steps = max_steps, 400, 400, 8

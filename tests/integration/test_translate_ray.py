@@ -87,6 +87,7 @@ def _ctx(assets, tmp_path, num_workers: int) -> StageContext:
     cfg.eval.beam_size = 2
     cfg.eval.max_len_b = MAX_LEN_B
     cfg.eval.batch_tokens = 400  # several batches per worker
+    cfg.eval.threads_per_worker = 1  # as the reference below: the same kernels, the same numbers
     cfg.run.data_num_cpus = 0.5  # 2 actors must not take all of the test Ray's 2 CPUs (ray#44687)
     out = tmp_path / f"translate-{num_workers}"
     out.mkdir()

@@ -15,12 +15,19 @@ Two fixtures, recorded once and committed (`tests/fixtures/reference_trace.json`
 
 The text is the dataset's own lowercased tokenized files, cut into pieces by a SentencePiece BPE
 model of 8000 pieces trained here on one thread (deterministic). One torch thread throughout: a
-GEMM's reduction order, and so its last bit, may depend on the thread count. It also depends on the
-CPU's instruction sets (MKL and oneDNN pick kernels by them), so the fixture holds one record per
-CPU class (`cpu_class`): the test compares bits against its own class's record and, on a class
-with none, closeness against another's (and says so).
+GEMM's reduction order, and so its last bit, may depend on the thread count.
 
-    .venv/bin/python -m tests.support.reference_trace --write   # record at a commit whose results are the reference
+The last bits also depend on which of ATen's CPU kernels run: PyTorch picks one set per machine
+(`torch.backends.cpu.get_cpu_capability()`: "DEFAULT", "AVX2", "AVX512"), and a machine runs any
+set below its own when `ATEN_CPU_CAPABILITY` names it. So the fixture holds one record per
+capability (`capability()`, e.g. "x86_64 AVX2"), and a machine checks bits against its own
+capability's record and against the nearest recorded one below it, that one in a subprocess under
+`ATEN_CPU_CAPABILITY` (`records_to_check`). Nothing is compared by closeness.
+
+    # record this machine's capability, at a commit whose results are the reference
+    .venv/bin/python -m tests.support.reference_trace --write
+    # record a capability below it (here: ATen's plain C++ kernels)
+    ATEN_CPU_CAPABILITY=default .venv/bin/python -m tests.support.reference_trace --write
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import json
 import os
 import platform
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -121,8 +130,9 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def trace(root: Path) -> dict:
-    """Both fixtures, computed now under `root` (a scratch folder)."""
+def trace(root: Path, tiny: dict | None = None) -> dict:
+    """Both fixtures, computed now under `root` (a scratch folder). `tiny`: the beam model
+    `train_tiny_model` already trained in this process (the test session's), else trained here."""
     from pipeline.config import load_config
     from pipeline.models import model_config_for
     from pipeline.train.loop import LocalSession, LoopSpec, Trainer
@@ -141,7 +151,7 @@ def trace(root: Path) -> dict:
         session = LocalSession(root / "ckpt")
         summary = Trainer(spec, session).run()
         state = torch.load(session.checkpoints()[-1] / "model.pt", map_location="cpu", weights_only=True)
-        tiny = train_tiny_model(wmt14_dir(), root / "tiny")  # one thread, seeded
+        tiny = tiny or train_tiny_model(wmt14_dir(), root / "tiny")  # one thread, seeded
         beams, tiny_state = _beams(tiny)
         return {"precision": summary["precision"],
                 "losses": [[_bits(h[1]), _bits(h[2])] for h in summary["history_train"]],
@@ -151,17 +161,59 @@ def trace(root: Path) -> dict:
         torch.set_num_threads(threads)
 
 
-def cpu_class() -> str:
-    """The CPU's vendor and the instruction sets its GEMM kernels are picked by."""
+# ATen's CPU capabilities per architecture, lowest first: a machine can run every one up to its own.
+LADDERS = {"x86_64": ("DEFAULT", "AVX2", "AVX512"), "aarch64": ("DEFAULT", "SVE256")}
+
+
+def capability() -> str:
+    """The architecture and the ATen CPU kernel set this process runs ("x86_64 AVX2"); under
+    `ATEN_CPU_CAPABILITY=avx2` an AVX512 machine says "x86_64 AVX2"."""
+    return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def records_to_check(own: str, recorded: list[str]) -> list[str]:
+    """The records this machine compares bits against: its own capability's, if recorded, and the
+    nearest recorded capability below it on the same architecture (run under ATEN_CPU_CAPABILITY).
+    Empty when neither exists."""
+    arch, cap = own.split(" ", 1)
+    ladder = LADDERS.get(arch, (cap,))
+    below = ladder[:ladder.index(cap)] if cap in ladder else ()
+    lower = [f"{arch} {c}" for c in reversed(below) if f"{arch} {c}" in recorded][:1]
+    return ([own] if own in recorded else []) + lower
+
+
+def start_trace(key: str, root: Path) -> tuple[subprocess.Popen, Path]:
+    """Start `trace` in a fresh process whose ATen kernels are those of capability `key` ("x86_64
+    AVX2"); `finish_trace` reads its result. The trace runs on one thread, so it takes one core and
+    runs beside this process's own trace on the other."""
+    root.mkdir(parents=True, exist_ok=True)
+    out, log = root / "trace.json", root / "trace.log"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": key.split(" ", 1)[1].lower(), "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.reference_trace", "--out", str(out)],
+                                cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+    return proc, out
+
+
+def finish_trace(proc: subprocess.Popen, out: Path, key: str) -> dict:
+    """The trace of a `start_trace` process, once it ends; an error naming the capability if it failed."""
+    if proc.wait() != 0:
+        log = (out.parent / "trace.log").read_text()[-3000:]
+        raise RuntimeError(f"the trace under ATEN_CPU_CAPABILITY for {key!r} failed (exit {proc.returncode}):\n{log}")
+    got = json.loads(out.read_text())
+    if got["capability"] != key:
+        raise RuntimeError(f"asked for {key!r}, the subprocess ran {got['capability']!r}")
+    return got
+
+
+def machine() -> str:
+    """The CPU's vendor and model name, recorded beside each record (for a reader; not part of the key)."""
     try:
         info = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.machine()
-    fields = dict(line.split(":", 1) for line in info if ":" in line)
-    flags = set(fields.get("flags\t\t", fields.get("flags", "")).split())
-    vendor = fields.get("vendor_id\t", fields.get("vendor_id", "")).strip()
-    found = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return " ".join([vendor or platform.machine(), *found])
+        return platform.processor() or platform.machine()
+    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in info if ":" in line)}
+    return " ".join(x for x in (fields.get("vendor_id"), fields.get("model name")) if x) or platform.machine()
 
 
 def dumps(records: dict[str, dict]) -> str:
@@ -183,17 +235,21 @@ def main() -> int:
     import tempfile
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--write", action="store_true", help=f"add this CPU class's record to {FIXTURE.relative_to(REPO)}")
+    ap.add_argument("--write", action="store_true",
+                    help=f"add (or replace) this capability's record in {FIXTURE.relative_to(REPO)}")
+    ap.add_argument("--out", type=Path, help="write the trace as JSON to this file (the test's subprocess)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         got = trace(Path(tmp))
-    got["torch"] = torch.__version__
+    got.update(capability=capability(), torch=torch.__version__, machine=machine())
+    if args.out:
+        args.out.write_text(json.dumps(got))
     if args.write:
         records = load() if FIXTURE.exists() else {}
-        records[cpu_class()] = got
+        records[capability()] = {k: v for k, v in got.items() if k != "capability"}
         FIXTURE.parent.mkdir(parents=True, exist_ok=True)
-        FIXTURE.write_text(dumps(records))
-    print(cpu_class(), {k: v for k, v in got.items() if k != "beams"})
+        FIXTURE.write_text(dumps(dict(sorted(records.items()))))
+    print(capability(), {k: v for k, v in got.items() if k != "beams"})
     return 0
 
 
