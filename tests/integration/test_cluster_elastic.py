@@ -110,7 +110,7 @@ def reference_losses(head: RayHead, work_dir: str, shards: Path, tmp: Path) -> l
     step's global batch does not depend on the world size, so neither do its losses."""
     cfg = load_config(None, config(head, work_dir, "1"))
     mc = model_config_for(cfg, {"vocab_size": VOCAB})
-    spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(shards), num_threads=1)  # as the workers
+    spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(shards))
     summary = Trainer(spec, LocalSession(tmp / "reference", device="cpu")).run()
     return [(int(h[0]), h[1]) for h in summary["history_train"]]
 

@@ -10,13 +10,14 @@ nearest recorded one below it (under ATEN_CPU_CAPABILITY); it never falls back t
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.support import reference_trace
 
 
 def assert_same_trace(got: dict, want: dict, key: str) -> None:
     hint = (f" ({key}: recorded on {want.get('machine', 'an unrecorded CPU')} with torch {want.get('torch')}; "
-            f"this machine: {reference_trace.machine()} with torch {got.get('torch', 'this one')})")
+            f"this machine: {reference_trace.machine()} with torch {got.get('torch', torch.__version__)})")
     assert got["precision"] == want["precision"], "the trace's precision changed" + hint
     assert got["losses"] == want["losses"], "the step's losses changed (hex bits per step: loss, nll)" + hint
     assert got["val"] == want["val"], "the dev loss changed" + hint
@@ -28,7 +29,7 @@ def assert_same_trace(got: dict, want: dict, key: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_training_and_beams_equal_the_recorded_traces(tmp_path, tiny_model):
+def test_training_and_beams_equal_the_recorded_traces(tmp_path, request):
     records = reference_trace.load()
     own = reference_trace.capability()
     keys = reference_trace.records_to_check(own, list(records))
@@ -41,7 +42,8 @@ def test_training_and_beams_equal_the_recorded_traces(tmp_path, tiny_model):
     below = {key: reference_trace.start_trace(key, tmp_path / key.replace(" ", "-")) for key in keys if key != own}
     try:
         if own in keys:
-            assert_same_trace(reference_trace.trace(tmp_path / "own", tiny_model), records[own], own)
+            tiny = request.getfixturevalue("tiny_model")  # the session's beam model (trained once)
+            assert_same_trace(reference_trace.trace(tmp_path / "own", tiny), records[own], own)
         for key, (proc, out) in below.items():
             assert_same_trace(reference_trace.finish_trace(proc, out, key), records[key], key)
     finally:
