@@ -1,7 +1,8 @@
 """Reproduce Transformer base (Vaswani et al., 2017) on WMT14 EN-DE, as one cached DAG on Ray.
 
     python workflows/reproduce_base.py --config configs/local.toml [--section.key=value ...]
-    ray job submit --working-dir . -- python workflows/reproduce_base.py --config configs/base.toml
+    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \
+        python workflows/reproduce_base.py --config configs/cluster.toml   # the head's dashboard (docs/cluster.md)
 
 The other rows of Table 2 are one config away: configs/big.toml, configs/enfr-base.toml,
 configs/enfr-big.toml; add ``--config configs/cluster-overlay.toml`` after any of them for the cluster.

@@ -129,7 +129,7 @@ class TrainConfig:
     Ray Train group), ``checkpoint``, ``metrics`` (log and dev-loss cadence) and ``plan`` (--plan's bill)."""
 
     tokens_per_step: int = 25000  # §5.1: ~25000 target tokens per optimizer step
-    max_steps: int = 100_000  # §5.3: base model trained 100k steps
+    max_steps: int = 100_000  # §5.2: base model trained 100k steps
     warmup_steps: int = 4000  # §5.3
     lr_scale: float = 1.0  # multiplies the §5.3 formula
     label_smoothing: float = 0.1  # §5.4, eps_ls
@@ -139,7 +139,7 @@ class TrainConfig:
     clip_norm: float = 0.0  # 0 = off (the paper does not clip)
     max_len: int = 256  # drop training pairs with more pieces than this on either side (counted)
     seed: int = 1
-    # Early stopping, off by default (the paper trains a fixed train.max_steps, §5.3): stop when
+    # Early stopping, off by default (the paper trains a fixed train.max_steps, §5.2): stop when
     # early_stop_metric has not improved for this many validations in a row (fairseq --patience,
     # Marian --early-stopping). "dev_bleu": each checkpoint's dev sacreBLEU (eval.dev_bleu, seen
     # when its validation task ends); "val_loss": the dev loss every metrics.val_loss_interval_steps.

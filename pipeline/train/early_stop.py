@@ -5,7 +5,7 @@ As fairseq's ``--patience`` (checkpoint_utils.should_stop_early) and Marian's
 ``--early-stopping``: a validation improves when it beats the best so far strictly (BLEU higher,
 loss lower); the count of validations without improvement restarts at every new best, and the
 run stops when it reaches the patience. Off (0) by default: the paper trains a fixed number of
-steps (§5.3).
+steps (§5.2).
 
 Where the values come from:
 - "val_loss": the loop's own dev loss every ``metrics.val_loss_interval_steps`` (rank 0's
