@@ -93,10 +93,16 @@ test-slow: install
 test-extended: install
 	$(BIN)/python -m pytest tests -m extended $(PYTEST_TIERS)
 
+# The MLflow store of the last `make run` / `make multi30k` (its run record names it); a tracking server's
+# URI is printed to open instead. Another store: make ui UI_STORE=sqlite:////path/to/mlflow.db
+UI_STORE ?=
 ui: install
-	@echo "MLflow 3.17 opens on its GenAI view: pick 'Model training' (top left; remembered by the browser) or open"
-	@echo "  http://127.0.0.1:5000/#/experiments/1?workflowType=machine_learning"
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath work/local/mlflow.db) --host 127.0.0.1 --port 5000
+	@uri="$(UI_STORE)"; [ -n "$$uri" ] || uri=$$($(BIN)/python -m pipeline.run_record $(RUN_RECORD) --tracking-uri) || exit 2; \
+	case "$$uri" in http*) echo "the run tracked to the server $$uri: open it there"; exit 0;; esac; \
+	echo "$$uri"; \
+	echo "MLflow 3.17 opens on its GenAI view: pick 'Model training' (top left; remembered by the browser) or open"; \
+	echo "  http://127.0.0.1:5000/#/experiments/1?workflowType=machine_learning"; \
+	$(BIN)/mlflow ui --backend-store-uri "$$uri" --host 127.0.0.1 --port 5000
 
 bench: install
 	$(BIN)/uv pip install --python $(BIN)/python -e '.[test,bench]'

@@ -33,6 +33,7 @@ class RunRecord:
     overrides: list[str]  # its --section.key=value overrides
     config: Config  # the resolved config it ran with (run.work_dir absolute)
     finished: str  # local time the run ended
+    tracking_uri: str = ""  # the MLflow store it tracked to ("": not recorded, or tracking off)
 
     @property
     def command(self) -> str:
@@ -40,12 +41,15 @@ class RunRecord:
         return " ".join([*self.config_files, *self.overrides])
 
 
-def write(path: str, cfg: Config, config_files: Sequence[str], overrides: Sequence[str]) -> None:
-    """Record that ``cfg`` (loaded from ``config_files`` and ``overrides``) trained a model."""
+def write(path: str, cfg: Config, config_files: Sequence[str], overrides: Sequence[str],
+          tracking_uri: str = "") -> None:
+    """Record that ``cfg`` (loaded from ``config_files`` and ``overrides``) trained a model, tracked
+    to ``tracking_uri`` (what ``make ui`` opens)."""
     resolved = cfg.to_dict()
     resolved["run"]["work_dir"] = storage.absolute(cfg.run.work_dir)
     storage.write_json(path, {"format": FORMAT, "config_files": list(config_files), "overrides": list(overrides),
-                              "config": resolved, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                              "config": resolved, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                              "tracking_uri": tracking_uri})
 
 
 def read(path: str) -> RunRecord:
@@ -67,4 +71,32 @@ def read(path: str) -> RunRecord:
     except (ConfigError, KeyError, TypeError) as e:
         raise NoRunRecord(f"{path}: its config no longer loads ({e}); rerun the workflow to record it again") from None
     return RunRecord(list(data.get("config_files", [])), list(data.get("overrides", [])), cfg,
-                     str(data.get("finished", "?")))
+                     str(data.get("finished", "?")), str(data.get("tracking_uri", "")))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pipeline.run_record FILE --tracking-uri``: the MLflow store the recorded run tracked
+    to, on stdout (``make ui`` opens it); exit 2 naming what to do when there is none."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m pipeline.run_record", description=main.__doc__)
+    ap.add_argument("record", help="a run record (make run / make multi30k: work/last-run.json)")
+    ap.add_argument("--tracking-uri", action="store_true", required=True, help="print the run's MLflow store")
+    args = ap.parse_args(argv)
+    try:
+        record = read(args.record)
+    except NoRunRecord as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not record.tracking_uri:
+        print(f"error: {args.record}: the run of {record.command} recorded no MLflow store (tracking off, or a "
+              "record written before stores were recorded); rerun it, or open the store with mlflow ui "
+              "--backend-store-uri", file=sys.stderr)
+        return 2
+    print(record.tracking_uri)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

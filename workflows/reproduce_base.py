@@ -26,6 +26,7 @@ from pipeline import run_record, storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
 from pipeline.dag import ORDER  # noqa: E402
 from pipeline.stage import NotImplementedStage  # noqa: E402
+from pipeline.tracking import tracking_uri_for  # noqa: E402
 from workflows import runner  # noqa: E402
 from workflows.lock import WorkDirBusy, WorkDirLock  # noqa: E402
 from workflows.preflight import preflight  # noqa: E402
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "argv": " ".join(sys.argv[1:])}) as tracking:
                 manifests = runner.execute(cfg, plans, tracking)
         if args.record and "average" in manifests:
-            run_record.write(args.record, cfg, args.config or [], overrides)
+            run_record.write(args.record, cfg, args.config or [], overrides,
+                             tracking_uri_for(cfg) if cfg.tracking.enabled else "")
             log.info("recorded this run's model in %s: serve it with `make serve` (or serve run "
                      "pipeline.serve.app:build_app run_record=%s)", args.record, args.record)
         report = manifests["score"].outputs.get("report") if "score" in manifests else None

@@ -91,3 +91,56 @@ def test_a_file_that_is_not_a_record_is_named(tmp_path, text, words):
 def test_one_model_per_call(tmp_path):
     with pytest.raises(ModelNotFound, match="name one model: .* \\(got config, run_record"):
         find_model(config=[LOCAL], run_record=str(tmp_path / "r.json"))
+
+
+def test_the_record_names_the_store_the_run_tracked_to_for_make_ui(tmp_path, capsys):
+    """`make ui` opens the store of the recorded run (`python -m pipeline.run_record FILE --tracking-uri`),
+    wherever the run's work dir was; a missing record or one without a store exits 2 naming it."""
+    cfg = load_config(LOCAL, [f"--run.work_dir={tmp_path / 'multi30k'}"])
+    record = tmp_path / "last-run.json"
+    store = f"sqlite:///{tmp_path / 'multi30k'}/mlflow.db"
+    run_record.write(str(record), cfg, [LOCAL], [], tracking_uri=store)
+    assert run_record.main([str(record), "--tracking-uri"]) == 0
+    assert capsys.readouterr().out.strip() == store
+    assert run_record.read(str(record)).tracking_uri == store
+
+    assert run_record.main([str(tmp_path / "none.json"), "--tracking-uri"]) == 2
+    err = capsys.readouterr().err
+    assert "no run recorded here yet" in err and "make run" in err
+    run_record.write(str(record), cfg, [LOCAL], [])  # tracking off: no store
+    assert run_record.main([str(record), "--tracking-uri"]) == 2
+    assert "recorded no MLflow store" in capsys.readouterr().err
+
+
+def test_make_ui_opens_the_recorded_store(tmp_path):
+    """The Makefile's `ui` target hands `mlflow ui` the recorded store: run with a venv whose `mlflow`
+    prints its arguments (and whose python is this one), so nothing is served."""
+    import os
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    for name, body in (("python", f'exec {sys.executable} "$@"'), ("mlflow", 'echo "mlflow $*"')):
+        (venv / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (venv / "bin" / name).chmod(0o755)
+    (venv / ".installed").touch()  # newer than pyproject.toml: `install` has nothing to do
+    cfg = load_config(LOCAL, [f"--run.work_dir={tmp_path / 'w'}"])
+    record = tmp_path / "last-run.json"
+    store = f"sqlite:///{tmp_path}/w/mlflow.db"
+    run_record.write(str(record), cfg, [LOCAL], [], tracking_uri=store)
+
+    def make_ui(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["make", "-s", "ui", f"VENV={venv}", *args], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    out = make_ui(f"RUN_RECORD={record}")
+    assert out.returncode == 0 and f"mlflow ui --backend-store-uri {store} --host 127.0.0.1" in out.stdout, out
+    server = "http://127.0.0.1:5001"
+    run_record.write(str(record), cfg, [LOCAL], [], tracking_uri=server)
+    out = make_ui(f"RUN_RECORD={record}")
+    assert out.returncode == 0 and server in out.stdout and "mlflow ui" not in out.stdout, out
+    out = make_ui(f"RUN_RECORD={tmp_path / 'none.json'}")
+    assert out.returncode != 0 and "no run recorded here yet" in out.stderr and "mlflow ui" not in out.stdout, out
+    out = make_ui(f"RUN_RECORD={tmp_path / 'none.json'}", "UI_STORE=sqlite:////x/mlflow.db")
+    assert out.returncode == 0 and "mlflow ui --backend-store-uri sqlite:////x/mlflow.db" in out.stdout, out
