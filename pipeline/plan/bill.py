@@ -69,6 +69,9 @@ ASSUMED_LENGTHS = "assumed lengths (no cached encode output): source pieces ~ lo
 # The corpus `epoch_shapes` assumes when nothing is encoded yet: the source's training pairs
 # (WMT14 EN-DE ~4.5M, §5.1; Multi30k 29,000); EN-FR's 36M is counted at EN-DE's size (seconds, not a minute).
 ASSUMED_PAIRS = {"wmt14": 4_500_000, "multi30k": 29_000}
+# Training corpora of each source and target language (pipeline/data/sources.py): with
+# data.max_pairs_per_corpus (local mode keeps 12,000 of each) the corpus is at most that many from each.
+TRAIN_CORPORA = {("wmt14", "de"): 3, ("wmt14", "fr"): 5, ("multi30k", "de"): 1}
 # Host seconds per aten op of an eager GPU step, from the one measurement there is (docs/benchmarks.md,
 # "The bill's host floor": an H200 machine, torch 2.11, bf16 autocast): the Multi30k tiny recipe's
 # eager step took 61.6 ms of host CPU time for two micro-batches of 1,275 aten ops each
@@ -260,11 +263,21 @@ def shapes_report(cfg: Config, mc: ModelConfig, src_len: np.ndarray, tgt_len: np
     return epoch_report(micro, ShapeBuckets(), mc.max_positions)
 
 
+def assumed_pairs(cfg: Config) -> int:
+    """The training pairs `epoch_shapes` assumes before anything is encoded: the source's corpus,
+    cut to `data.max_pairs_per_corpus` from each of its corpora where that is set."""
+    n = ASSUMED_PAIRS.get(cfg.data.source, ASSUMED_PAIRS["wmt14"])
+    corpora = TRAIN_CORPORA.get((cfg.data.source, cfg.data.tgt_lang if cfg.data.src_lang == "en" else cfg.data.src_lang))
+    if cfg.data.max_pairs_per_corpus and corpora:
+        n = min(n, corpora * cfg.data.max_pairs_per_corpus)
+    return n
+
+
 def epoch_shapes(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None) -> str:
     """One line: `shapes_report` over the training lengths (None: `ASSUMED_PAIRS` pairs of
     `ASSUMED_LENGTHS`, a corpus of the source's size: the count grows with the corpus)."""
     if lengths is None:
-        n = ASSUMED_PAIRS.get(cfg.data.source, ASSUMED_PAIRS["wmt14"])
+        n = assumed_pairs(cfg)
         lengths, where = assumed_lengths(cfg, n), f"{n:,} pairs of assumed lengths"
     else:
         where = f"the training split's {len(lengths[0]):,} pairs"

@@ -229,3 +229,19 @@ def test_an_eager_bill_is_bounded_by_the_host_and_prints_how():
     assert 6 * 60 < b.hours * 3600 < 12 * 60  # the measured ~9 min, within what its causes explain
     compiled = bill.make_bill(load_config(["configs/multi30k-tiny.toml"], ["--speed.compile=true"]), mc)
     assert compiled.hours == compiled.compute_hours and "host floor is not measured" in compiled.format()
+
+
+def test_the_assumed_corpus_is_the_one_a_config_keeps():
+    """Before anything is encoded the shapes line counts the corpus the run will train on: the
+    source's size, or `data.max_pairs_per_corpus` from each of its training corpora (local mode)."""
+    from pipeline.data import sources
+
+    registry = {"wmt14": sources.wmt14, "multi30k": sources.multi30k}
+    for (source, lang), n in bill.TRAIN_CORPORA.items():
+        assert n == sum(c.split == "train" for c in registry[source]("en", lang)), (source, lang)
+    local = load_config("configs/local.toml")
+    assert bill.assumed_pairs(local) == 3 * local.data.max_pairs_per_corpus == 36_000
+    assert bill.assumed_pairs(load_config("configs/base.toml")) == bill.ASSUMED_PAIRS["wmt14"]
+    assert bill.assumed_pairs(load_config("configs/local.toml", ["--data.tgt_lang=fr"])) == 5 * 12_000
+    mc = bill.model_config_for(local, {"vocab_size": local.vocab.size})
+    assert "over 36,000 pairs of assumed lengths" in bill.epoch_shapes(local, mc)
