@@ -266,16 +266,17 @@ def shapes_report(cfg: Config, mc: ModelConfig, src_len: np.ndarray, tgt_len: np
 def assumed_pairs(cfg: Config) -> int:
     """The training pairs `epoch_shapes` assumes before anything is encoded: the source's corpus,
     cut to `data.max_pairs_per_corpus` from each of its corpora where that is set."""
-    n = ASSUMED_PAIRS.get(cfg.data.source, ASSUMED_PAIRS["wmt14"])
-    corpora = TRAIN_CORPORA.get((cfg.data.source, cfg.data.tgt_lang if cfg.data.src_lang == "en" else cfg.data.src_lang))
-    if cfg.data.max_pairs_per_corpus and corpora:
-        n = min(n, corpora * cfg.data.max_pairs_per_corpus)
+    d = cfg.data
+    n = ASSUMED_PAIRS.get(d.source, ASSUMED_PAIRS["wmt14"])
+    corpora = TRAIN_CORPORA.get((d.source, d.tgt_lang if d.src_lang == "en" else d.src_lang))
+    if d.max_pairs_per_corpus and corpora:
+        n = min(n, corpora * d.max_pairs_per_corpus)
     return n
 
 
 def epoch_shapes(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None) -> str:
-    """One line: `shapes_report` over the training lengths (None: `ASSUMED_PAIRS` pairs of
-    `ASSUMED_LENGTHS`, a corpus of the source's size: the count grows with the corpus)."""
+    """One line: `shapes_report` over the training lengths (None: `assumed_pairs` pairs of
+    `ASSUMED_LENGTHS`, the corpus the run keeps: the count grows with the corpus)."""
     if lengths is None:
         n = assumed_pairs(cfg)
         lengths, where = assumed_lengths(cfg, n), f"{n:,} pairs of assumed lengths"
