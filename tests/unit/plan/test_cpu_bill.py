@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,9 +22,11 @@ from pipeline.plan.flops import MicroShape
 from pipeline.stage import Manifest
 from pipeline.train.corpus import load_lengths
 from pipeline.train.device import resolve_precision
-from pipeline.train.driver import _log_bill, local_cpu_training
+from pipeline.train.driver import _log_bill, local_cpu_training, train_bill
 from tests.support.synthetic import write_reverse_task
 from workflows.runner import format_bill, make_plan
+
+REPO = Path(__file__).resolve().parents[3]
 
 TINY = ModelConfig(vocab_size=50, d_model=16, d_ff=32, n_heads=2, n_encoder_layers=2, n_decoder_layers=1, dropout=0.1)
 SMALL = ["--train.max_steps=1000", "--train.tokens_per_step=3000", "--speed.max_tokens_per_batch=2000",
@@ -152,3 +155,27 @@ def test_plan_and_the_run_bill_this_cpu_and_a_gpu_config_still_bills_gpus(tmp_pa
     _log_bill(ctx, ModelConfig(vocab_size=64, d_model=32, d_ff=64, n_heads=2), load_lengths(str(train_dir)))
     assert logged["bill/machine"].startswith("this CPU (") and "bill/num_gpus" not in logged
     assert float(logged["bill/hours"]) > 0
+
+
+GPU_RECIPES = {"base.toml", "big.toml", "enfr-base.toml", "enfr-big.toml", "cluster.toml"}  # the paper's 8 GPUs
+LAPTOP_RECIPES = {"local.toml", "multi30k-tiny.toml", "multi30k-fast.toml"}
+
+
+def test_each_shipped_config_is_billed_on_the_machine_it_trains_on(monkeypatch):
+    """On a CPU-only machine of either class: a paper row is billed for the GPUs it names (never
+    this CPU, and never refused for its bf16 where the CPU has none), a laptop recipe for this CPU."""
+    from pipeline.train import device
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    shipped = {p.name for p in (REPO / "configs").glob("*.toml")} - {"cluster-overlay.toml"}
+    assert shipped == GPU_RECIPES | LAPTOP_RECIPES, "a new shipped config: say where it trains"
+    for bf16 in ([], ["AVX512-BF16"]):
+        monkeypatch.setattr(device, "cpu_bf16_features", lambda: bf16)
+        for name in sorted(GPU_RECIPES):
+            assert not bill.trains_on_this_cpu(load_config(REPO / "configs" / name)), name
+        for name in sorted(LAPTOP_RECIPES):
+            assert bill.trains_on_this_cpu(load_config(REPO / "configs" / name)), name
+        cfg = load_config(REPO / "configs" / "base.toml")  # its bf16: refused on such a CPU, were it billed here
+        b = train_bill(cfg, bill.model_config_for(cfg, {"vocab_size": cfg.vocab.size}))
+        assert b.format().startswith(f"bill of the train stage: 8 x {cfg.plan.gpu_type} to"), bf16
