@@ -6,19 +6,22 @@
 
 On the way out, in reverse: the parent run ends (FINISHED, or FAILED when the body raised), the
 lock is released, and a local Ray that the session started is shut down. Errors propagate: each
-script turns the ones it expects into its message and exit code. The checks before any GPU time
-(`workflows.preflight.preflight`) run before the session, as they also serve ``--plan``, which
-takes no lock and starts no Ray.
+script turns the ones it expects into its message and exit code. The checks of the config and its
+storage (`workflows.preflight.preflight`) run before the session, as they also serve ``--plan``,
+which takes no lock and starts no Ray; those of the cluster (`check_cluster`: workers it can never
+place, storage its other hosts can't see) run here, as soon as Ray is reached.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 from pipeline.config import Config
+from pipeline.dag import ORDER
 from pipeline.ray_env import ensure_ray
 from workflows.lock import WorkDirLock
+from workflows.preflight import check_cluster, connected_cluster
 
 
 class DriverSession:
@@ -43,14 +46,16 @@ class DriverSession:
 
 
 @contextmanager
-def driver_session(cfg: Config, start_ray: bool = True) -> Iterator[DriverSession]:
+def driver_session(cfg: Config, start_ray: bool = True, runs: Collection[str] = ORDER) -> Iterator[DriverSession]:
     """Hold `cfg`'s work-dir lock (`workflows.lock`: one driver per work dir) and, with
-    `start_ray`, reach Ray (`pipeline.ray_env.ensure_ray`); stop a Ray this call started."""
+    `start_ray`, reach Ray (`pipeline.ray_env.ensure_ray`) and check that it can run the stages
+    `runs` (`workflows.preflight.check_cluster`); stop a Ray this call started."""
     started_ray = False
     try:
         with WorkDirLock(cfg.run.work_dir):
             if start_ray:
                 started_ray = ensure_ray(cfg)
+                check_cluster(cfg, connected_cluster(), runs)
             yield DriverSession(cfg)
     finally:
         if started_ray:

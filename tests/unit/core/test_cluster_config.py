@@ -18,7 +18,7 @@ def test_cluster_config_is_the_base_recipe_on_shared_storage():
     assert compute_keys(cluster) == compute_keys(base)  # same stages, same outputs: only where they live differs
     assert cluster.run.work_dir.startswith("s3://") and cluster.run.storage_path.startswith(cluster.run.work_dir)
     assert cluster.tracking.uri == ""  # the head's MLFLOW_TRACKING_URI (cluster.yaml)
-    assert cluster.workers.num_workers == 8 and cluster.workers.use_gpu == "auto"
+    assert cluster.workers.num_workers == 8 and cluster.workers.use_gpu is True  # a GPU recipe (configs/base.toml)
 
 
 OVERLAY = REPO / "configs/cluster-overlay.toml"

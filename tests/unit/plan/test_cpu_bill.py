@@ -168,7 +168,7 @@ def test_each_shipped_config_is_billed_on_the_machine_it_trains_on(monkeypatch):
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    shipped = {p.name for p in (REPO / "configs").glob("*.toml")} - {"cluster-overlay.toml"}
+    shipped = {p.name for p in (REPO / "configs").glob("*.toml")} - {"cluster-overlay.toml", "one-gpu.toml"}
     assert shipped == GPU_RECIPES | LAPTOP_RECIPES, "a new shipped config: say where it trains"
     for bf16 in ([], ["AVX512-BF16"]):
         monkeypatch.setattr(device, "cpu_bf16_features", lambda: bf16)
@@ -179,3 +179,5 @@ def test_each_shipped_config_is_billed_on_the_machine_it_trains_on(monkeypatch):
         cfg = load_config(REPO / "configs" / "base.toml")  # its bf16: refused on such a CPU, were it billed here
         b = train_bill(cfg, bill.model_config_for(cfg, {"vocab_size": cfg.vocab.size}))
         assert b.format().startswith(f"bill of the train stage: 8 x {cfg.plan.gpu_type} to"), bf16
+    one = load_config([REPO / "configs" / "base.toml", REPO / "configs" / "one-gpu.toml"])
+    assert bill.make_bill(one, bill.model_config_for(one, {"vocab_size": one.vocab.size})).num_gpus == 1
