@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection
 
 from pipeline import storage
 from pipeline.config import Config, ConfigError
 from pipeline.config.devices import use_gpus
+from pipeline.ray_env import Cluster
 
 log = logging.getLogger(__name__)
 
@@ -46,48 +46,6 @@ def preflight(cfg: Config, write: bool = True, check_tracking: bool = True) -> N
 # a local-looking run.work_dir on one of them is shared storage.
 NETWORK_FILESYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs",
                                  "beegfs", "wekafs", "panfs", "orangefs", "afs", "fuse"})
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """The connected Ray cluster as the checks see it: its alive nodes now, and the node types its
-    autoscaler may add (none: the cluster stays as it is)."""
-
-    hosts: frozenset[str]  # the alive nodes' IP addresses
-    nodes: tuple[dict[str, float], ...]  # each alive node's resources
-    node_types: tuple[tuple[dict[str, float], int], ...] = ()  # (a node's resources, the most of them)
-
-    @property
-    def multi_host(self) -> bool:
-        return len(self.hosts) > 1 or sum(most for _, most in self.node_types) > 1
-
-    def most(self, name: str) -> float:
-        """The most of resource `name` the cluster has now or can grow to."""
-        return max(sum(n.get(name, 0.0) for n in self.nodes), sum(r.get(name, 0.0) * k for r, k in self.node_types))
-
-    def placeable(self, each: dict[str, float]) -> int:
-        """How many tasks or actors asking `each` fit at once, each on one node, now or grown."""
-        def on(node: dict[str, float]) -> int:
-            return min((int(node.get(k, 0.0) // v) for k, v in each.items() if v > 0), default=1_000_000)
-        return max(sum(on(n) for n in self.nodes), sum(on(r) * k for r, k in self.node_types))
-
-    def describe(self) -> str:
-        totals = ", ".join(f"{self.most(k):g} {k}" for k in ("GPU", "CPU") if self.most(k))
-        grows = "at its autoscaler's maximum" if self.node_types else "and no autoscaler to add nodes"
-        return f"{len(self.nodes)} node(s) on {len(self.hosts)} host(s), {totals or 'nothing'} {grows}"
-
-
-def connected_cluster() -> Cluster:
-    """The `Cluster` of the Ray this driver is connected to (`ray.nodes()`, and the autoscaler's
-    node types from the GCS: what Ray Train's own check reads, `ray._private.state`)."""
-    import ray
-    from ray._private import state
-
-    alive = [n for n in ray.nodes() if n.get("Alive")]
-    config = state.state.get_cluster_config()
-    types = tuple((dict(g.resources), int(g.max_count)) for g in (config.node_group_configs if config else ()))
-    return Cluster(frozenset(n["NodeManagerAddress"] for n in alive),
-                   tuple(dict(n["Resources"]) for n in alive), types)
 
 
 def filesystem_of(path: str, mounts: str = "/proc/mounts") -> str:

@@ -19,9 +19,9 @@ from typing import Any, Collection, Iterator
 
 from pipeline.config import Config
 from pipeline.dag import ORDER
-from pipeline.ray_env import ensure_ray
+from pipeline.ray_env import connected_cluster, ensure_ray
 from workflows.lock import WorkDirLock
-from workflows.preflight import check_cluster, connected_cluster
+from workflows.preflight import check_cluster
 
 
 class DriverSession:

@@ -13,7 +13,8 @@ import pytest
 from pipeline.config import ConfigError, load_config
 from pipeline.dag import ORDER, compute_keys
 from workflows import reproduce_base
-from workflows.preflight import Cluster, check_cluster, connected_cluster, filesystem_of, shared_by_every_node
+from pipeline.ray_env import Cluster, connected_cluster
+from workflows.preflight import check_cluster, filesystem_of, shared_by_every_node
 
 REPO = Path(__file__).resolve().parents[3]
 BASE, ONE_GPU = REPO / "configs" / "base.toml", REPO / "configs" / "one-gpu.toml"
