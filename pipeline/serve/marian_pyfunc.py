@@ -27,19 +27,6 @@ from mlflow.pyfunc import PythonModel
 BATCH_SENTENCES = 16
 
 
-def _sentences(model_input: Any) -> list[str]:
-    """A list of strings from what pyfunc and the scoring server hand over (list, array, frame)."""
-    if hasattr(model_input, "columns"):  # a DataFrame: its first (only) column
-        model_input = model_input[model_input.columns[0]]
-    if hasattr(model_input, "tolist"):
-        model_input = model_input.tolist()
-    if isinstance(model_input, str):
-        model_input = [model_input]
-    if not isinstance(model_input, list) or not all(isinstance(s, str) for s in model_input):
-        raise TypeError("input must be a list of strings (sentences to translate)")
-    return model_input
-
-
 class MarianTranslation(PythonModel):
     def load_context(self, context: Any) -> None:
         import json
@@ -49,6 +36,9 @@ class MarianTranslation(PythonModel):
         hf = context.artifacts["hf"]
         self.tok = MarianTokenizer.from_pretrained(hf)
         self.model = MarianMTModel.from_pretrained(hf).eval()
+        # predict bounds each batch by max_new_tokens (the §6.1 budget, within the position table);
+        # the export's max_length (the table's size) would only make generate() warn that both are set.
+        self.model.generation_config.max_length = None
         with open(context.artifacts["decode"], encoding="utf-8") as f:
             self.decode = json.load(f)
         self.text = {}
@@ -73,12 +63,14 @@ class MarianTranslation(PythonModel):
     def _output(self, hyp: str) -> str:
         return hyp if self.moses is None else self.moses[2].detokenize(hyp.split())
 
-    # No type hints here: MLflow would read them as the model's input schema (the signature says it).
-    def predict(self, context, model_input, params=None):
+    # The type hints are the model's signature (MLflow infers it from them when the model is saved)
+    # and its input check: MLflow's wrapper of ``predict`` turns a one-column DataFrame (the scoring
+    # server's ``{"inputs": [...]}``) into a list and rejects what is not a list of strings.
+    def predict(self, context: Any, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
         import torch
         from model.search import output_budget
 
-        sentences = [self._source(s) for s in _sentences(model_input)]
+        sentences = [self._source(s) for s in model_input]
         out: list[str] = []
         d = self.decode
         for i in range(0, len(sentences), BATCH_SENTENCES):

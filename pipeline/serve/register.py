@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 PYFUNC = Path(__file__).with_name("marian_pyfunc.py")
 MODEL_PACKAGE = Path(__file__).resolve().parents[2] / "model"  # the pyfunc's code path (output_budget)
+# The version's input example: MLflow translates it when saving (a model that cannot translate shows
+# as an MLflow warning in the register log, not at the first request) and stores it beside the
+# signature it infers from MarianTranslation.predict's type hints.
+INPUT_EXAMPLE = ["The cat sat on the mat.", "Where is the nearest train station?"]
 
 
 def model_name(cfg: Any) -> str:
@@ -57,8 +61,6 @@ def build_pyfunc(folder: Path, files: dict[str, str], model_config: dict[str, An
                  text: dict[str, str] | None = None) -> Path:
     """The MLflow pyfunc model folder under ``folder`` (``files``: hf, model, spm, ct2-* URIs)."""
     import mlflow
-    from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, Schema
 
     ours = folder / registry.OURS
     ours.mkdir(parents=True)
@@ -71,10 +73,9 @@ def build_pyfunc(folder: Path, files: dict[str, str], model_config: dict[str, An
                  "decode": str(folder / "decode.json"), "text": str(ours / "text.json"),
                  **{k: str(storage.local_copy(v)) for k, v in files.items() if k.startswith("ct2-")}}
     out = folder / "model"
-    strings = Schema([ColSpec("string")])
     mlflow.pyfunc.save_model(str(out), python_model=str(PYFUNC), artifacts=artifacts,
                              code_paths=[str(MODEL_PACKAGE)], pip_requirements=_requirements(),
-                             signature=ModelSignature(inputs=strings, outputs=strings))
+                             input_example=INPUT_EXAMPLE)
     return out
 
 
