@@ -6,8 +6,11 @@ instead of running the decoder over the whole prefix again. Rows are sentence-ma
 r = b * beam_size + j is beam j of sentence b.
 
 In eval mode with d_k = d_v a step runs `decoder_layer_step`, `DecoderLayer.forward` fused by hand
-on transposed weight copies made once per search (`LayerWeights`); it is tested equal to the
-module path (tests/unit/model/test_fused_step.py), which train mode and d_k != d_v run.
+on transposed weight copies made once per search (`LayerWeights`); train mode and d_k != d_v run
+the modules. Both paths are checked against the teacher-forced forward at every value of every
+`ModelConfig` field (tests/unit/model/test_fused_step.py, which fails on a field it does not know):
+a variant added to `DecoderLayer` and not here fails there, before a model trains one way and
+decodes another.
 `Transformer.init_decoder_state` / `decode_step` call `start` / `decode_step` here.
 """
 

@@ -42,3 +42,71 @@ def test_layer_weights_are_transposed_copies_of_the_layer():
     assert torch.equal(w.qkv[0], layer.self_attn.qkv_proj.weight.t()) and w.qkv[0].is_contiguous()
     assert torch.equal(w.ffn1[0], layer.ffn.w1.weight.t()) and w.ffn2[0].shape == (24, 16)
     assert w.norm3[0] is layer.norm3.weight and w.cross_out[1] is layer.cross_attn.out_proj.bias
+
+
+# Every ModelConfig field, and the values the decoding check below runs it at (on top of BASE).
+# Literal and bool fields run at each of their values, read from the annotations, so a new option
+# value is checked without editing this table; a new field of another type fails
+# `test_every_model_field_is_a_checked_variant` until it is listed here.
+BASE = dict(vocab_size=23, d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=2,
+            max_positions=40, dropout=0.1)
+VALUES = {"vocab_size": [23, 31], "d_model": [32, 48], "d_ff": [64, 40], "n_heads": [4, 2], "d_k": [None, 4, 12],
+          "d_v": [None, 12], "n_encoder_layers": [2, 1], "n_decoder_layers": [2, 3], "dropout": [0.1, 0.0],
+          "max_positions": [40, 9], "pad_id": [0], "bos_id": [2, 5], "eos_id": [3, 6]}
+
+
+def _values(field: str) -> list | None:
+    """The values the check runs `field` at; None for a field it does not know."""
+    import typing
+
+    hint = typing.get_type_hints(ModelConfig)[field]
+    if typing.get_origin(hint) is typing.Literal:
+        return list(typing.get_args(hint))
+    if hint is bool:
+        return [True, False]
+    return VALUES.get(field)
+
+
+def _variants():
+    import dataclasses
+
+    for f in dataclasses.fields(ModelConfig):
+        for value in _values(f.name) or []:
+            yield pytest.param({f.name: value}, id=f"{f.name}={value}")
+
+
+def test_every_model_field_is_a_checked_variant():
+    import dataclasses
+
+    unchecked = [f.name for f in dataclasses.fields(ModelConfig) if _values(f.name) is None]
+    assert not unchecked, f"ModelConfig fields no decoding check runs: {unchecked}; add their values to VALUES"
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+@pytest.mark.parametrize("variant", list(_variants()))
+@torch.no_grad()
+def test_every_variant_decodes_as_it_trains(variant, beam):
+    """Search's incremental step (the fused one where `incremental.start` takes it, else the
+    modules) gives the teacher-forced forward's logits at every position, for each value of each
+    ModelConfig field: a variant that reaches one decoder path and not the other fails here."""
+    from model import Transformer
+
+    cfg = ModelConfig(**{**BASE, **variant})
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    g = torch.Generator().manual_seed(1)
+    B, S, T = 3, 6, min(6, cfg.max_positions)
+    special = {cfg.pad_id, cfg.bos_id, cfg.eos_id}
+    words = torch.tensor([i for i in range(cfg.vocab_size) if i not in special])
+    src, tgt_in = (words[torch.randint(len(words), (B, n), generator=g)] for n in (S, T))
+    for b, n in enumerate([S, 4, 2]):
+        src[b, n - 1], src[b, n:] = cfg.eos_id, cfg.pad_id
+    tgt_in[:, 0] = cfg.bos_id
+    full = model.logits(model(src, tgt_in))  # (B, T, V)
+    memory, src_pad_mask = model.encode(src)
+    state = model.init_decoder_state(memory, src_pad_mask, beam_size=beam, max_len=T)
+    assert (state.layer_weights is not None) == (cfg.head_dims[0] == cfg.head_dims[1])  # fused iff d_k = d_v
+    for t in range(T):
+        logits = model.decode_step(tgt_in[:, t].repeat_interleave(beam), state).view(B, beam, -1)
+        for j in range(beam):
+            torch.testing.assert_close(logits[:, j], full[:, t], rtol=1e-4, atol=1e-4, msg=f"{variant} step {t}")
