@@ -27,7 +27,7 @@ class ModelSizes:
     # Per-head query/key and value widths; None = d_model / h = 64 (§3.2.2). Table 3 (A, B) varies
     # them. (A config file leaves them out for None: TOML has no None.)
     d_k: int | None = None
-    d_v: int | None = None
+    d_v: int | None = None  # as d_k: the per-head value width
     n_encoder_layers: int = 6  # encoder stack depth N (§3.1)
     n_decoder_layers: int = 6  # decoder stack depth N (§3.1)
     dropout: float = 0.1  # residual + embedding dropout P_drop (§5.4)

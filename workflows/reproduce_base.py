@@ -8,7 +8,9 @@ The other rows of Table 2 are one config away: configs/big.toml, configs/enfr-ba
 configs/enfr-big.toml; add ``--config configs/cluster-overlay.toml`` after any of them for the cluster.
 
 Flags: --plan (print what would run and why), --only STAGE, --from STAGE, --to STAGE, --force STAGE,
---record FILE (``make run`` / ``make multi30k``: work/last-run.json, which ``make serve`` serves).
+--record FILE (``make run`` / ``make multi30k``: work/last-run.json, which ``make serve`` serves),
+--print-config (the resolved config as TOML). ``transformer-repro run`` / ``plan`` (workflows/cli.py)
+parse the same flags with this parser; ``--help`` lists every config key after them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ if str(REPO) not in sys.path:  # `python workflows/reproduce_base.py` puts workf
 
 from pipeline import run_record, storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
+from pipeline.config.reference import help_text, to_toml  # noqa: E402
 from pipeline.dag import ORDER  # noqa: E402
 from pipeline.stage import NotImplementedStage  # noqa: E402
 from pipeline.tracking import tracking_uri_for  # noqa: E402
@@ -35,8 +38,11 @@ from workflows.session import driver_session  # noqa: E402
 log = logging.getLogger("reproduce_base")
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str], prog: str | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The flags and the ``--section.key=value`` overrides; --help ends with every config key
+    (`pipeline.config.reference.help_text`)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, epilog=help_text(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", default=None,
                    help="TOML file (configs/base.toml, configs/local.toml, ...); repeatable: later files "
                         "override earlier ones, e.g. --config configs/big.toml --config configs/cluster-overlay.toml")
@@ -53,6 +59,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--record", default="", metavar="FILE",
                    help="when the run ends with a model (its average stage done), record its config in FILE "
                         "(pipeline/run_record.py), so that `serve run ... run_record=FILE` (make serve) serves it")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (defaults < --config files < overrides) as TOML; run nothing")
     args, rest = p.parse_known_args(argv)
     bad = [a for a in rest if not (a.startswith("--") and "=" in a and "." in a.split("=", 1)[0])]
     if bad:
@@ -62,11 +70,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv, prog)
     try:
         cfg = load_config(args.config, overrides)
+        if args.print_config:  # before preflight: reads no work dir, starts nothing
+            print(to_toml(cfg), end="", flush=True)
+            return 0
         preflight(cfg, write=not args.plan, check_tracking=not args.plan)  # before the plan reads the work dir
         busy = WorkDirLock(cfg.run.work_dir).holder() if args.plan else None  # a run takes the lock below
         plans = runner.make_plan(cfg, only=args.only, from_=args.from_, force=tuple(args.force), to=args.to,
@@ -88,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if all(p.action != "run" for p in plans):
         log.info("every selected stage is cached: nothing to run")
     try:
-        with driver_session(cfg, start_ray=any(p.action == "run" for p in plans)) as session:
+        runs = {p.stage.name for p in plans if p.action == "run"}
+        with driver_session(cfg, start_ray=bool(runs), runs=runs) as session:
             with session.parent_run({"config_file": ", ".join(args.config or []),
                                      "argv": " ".join(sys.argv[1:])}) as tracking:
                 manifests = runner.execute(cfg, plans, tracking)

@@ -86,7 +86,8 @@ class WorkersConfig:
     # How often Ray Train's controller polls its workers (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S): a
     # started group, a reported checkpoint, a finished run and a dead worker are each noticed at the
     # next poll. Ray's 2 s by default: 0.5 s took ~5 s off a 30-step train stage but made local
-    # mode's 600 steps ~12% slower on 2 cores (docs/benchmarks.md, "Ray Train's poll interval").
+    # mode's 600 steps ~12% slower (2 cores, AVX512-BF16, bf16; docs/benchmarks.md, "Ray Train's
+    # poll interval").
     # An explicit RAY_TRAIN_HEALTH_CHECK_INTERVAL_S in the driver's environment wins.
     controller_poll_s: float = op(2.0)
 

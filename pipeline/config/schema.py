@@ -47,12 +47,14 @@ class DataConfig:
     # "wmt14" (the paper's data, §5.1), "multi30k" (Multi30k task 1, the small published benchmark a
     # CPU reproduces: pipeline/data/sources.py) or "custom" (your own files below)
     source: Source = "wmt14"
-    src_lang: str = "en"
-    tgt_lang: str = "de"
+    src_lang: str = "en"  # source language code
+    tgt_lang: str = "de"  # target language code ("fr": the EN-FR data, §5.1)
     # Replaces http://statmt.org/ for every WMT14 file: a URL or a local folder with the same
     # relative paths (wmt13/..., wmt14/...). Empty = the real statmt.org URLs. Multi30k: replaces
     # https://github.com/multi30k/dataset/raw/<commit>/ (a folder holding data/task1/raw/...).
-    # In download's cache key for WMT14 only (pipeline/dag.py says why).
+    # In download's cache key for WMT14 only, whose archives are checked against the mirror's own
+    # SHA256SUMS (the offline stand-in holds samples); Multi30k's files are checked against pinned
+    # sha256s, so there it is operational (pipeline/dag.py).
     mirror: str = ""
     # Text preprocessing applied by prepare to every split before cleaning, as a benchmark defines
     # it. "lowercase_moses": Multi30k's scripts/task1-tokenize.sh (lowercase, Moses punctuation
@@ -61,19 +63,19 @@ class DataConfig:
     preprocess: Preprocess = "none"
     # source = "custom": plain-text files, one sentence per line (local paths or URLs, .gz ok).
     train_src: list[str] = field(default_factory=list)
-    train_tgt: list[str] = field(default_factory=list)
-    dev_src: str = ""
-    dev_tgt: str = ""
-    test_src: str = ""
-    test_tgt: str = ""
-    # Cleaning (counted per rule, never silent). Lengths are whitespace words.
+    train_tgt: list[str] = field(default_factory=list)  # as train_src: the target side
+    dev_src: str = ""  # source = "custom": the dev split, source side (one file)
+    dev_tgt: str = ""  # source = "custom": the dev split, target side
+    test_src: str = ""  # source = "custom": the test split, source side
+    test_tgt: str = ""  # source = "custom": the test split, target side
+    # Cleaning (counted per rule, never silent; lengths are whitespace words):
     max_words: int = 250  # pairs with a longer side are dropped ("too_long")
     max_length_ratio: float = 3.0  # drop if max(len)/min(len) exceeds this ("length_ratio"); §5.1 is silent
     dedup: bool = False  # drop exact duplicate pairs ("duplicate")
     # 0 = all. Keep only the first N training pairs of each corpus (local test mode).
     max_pairs_per_corpus: int = 0
     num_shards: int = 8  # Parquet shards per split written by prepare/encode
-    download_timeout_s: float = op(60.0)
+    download_timeout_s: float = op(60.0)  # seconds an HTTP request of download may wait (urllib's timeout)
 
     @property
     def pair(self) -> str:
@@ -99,9 +101,9 @@ class VocabConfig:
     size: int = 37000  # §5.1: "a shared source-target vocabulary of about 37000 tokens"
     model_type: VocabModel = "bpe"  # §5.1: byte-pair encoding
     sample_sentences: int = 2_000_000  # deterministic sample of both sides used for training SPM
-    character_coverage: float = 1.0
-    seed: int = 1234
-    num_threads: int = op(2)
+    character_coverage: float = 1.0  # SentencePiece's character_coverage (1.0: every character)
+    seed: int = 1234  # seed of the sentence sample SentencePiece trains on
+    num_threads: int = op(2)  # SentencePiece trainer threads
 
     def validate(self) -> None:
         _check(self.size >= 8, "vocab.size", "must be >= 8")
@@ -138,13 +140,13 @@ class TrainConfig:
     adam_eps: float = 1e-9  # §5.3
     clip_norm: float = 0.0  # 0 = off (the paper does not clip)
     max_len: int = 256  # drop training pairs with more pieces than this on either side (counted)
-    seed: int = 1
+    seed: int = 1  # seed of the batch plan, the initial weights and each step's dropout (per rank)
     # Early stopping, off by default (the paper trains a fixed train.max_steps, §5.2): stop when
     # early_stop_metric has not improved for this many validations in a row (fairseq --patience,
     # Marian --early-stopping). "dev_bleu": each checkpoint's dev sacreBLEU (eval.dev_bleu, seen
     # when its validation task ends); "val_loss": the dev loss every metrics.val_loss_interval_steps.
     early_stop_patience: int = keyed_if_set(0)
-    early_stop_metric: EarlyStopMetric = keyed_if_set("dev_bleu")
+    early_stop_metric: EarlyStopMetric = keyed_if_set("dev_bleu")  # see early_stop_patience
 
     def validate(self) -> None:
         _check(self.tokens_per_step > 0, "train.tokens_per_step", "must be > 0")
@@ -164,7 +166,7 @@ class DecodeSettings:
     beam_size: int = 4  # §6.1
     alpha: float = 0.6  # §6.1, length penalty (GNMT's; CTranslate2 and HF apply |Y|^alpha)
     max_len_a: float = 1.0  # §6.1: max output length = a * input length + b = input length + 50
-    max_len_b: int = 50
+    max_len_b: int = 50  # see max_len_a
 
     @classmethod
     def of(cls, obj: Any) -> "DecodeSettings":
@@ -238,7 +240,7 @@ class RunConfig:
     work_dir: str = op("work")  # local path, s3://..., gs://... or an NFS path; stages write under it
     storage_path: str = op("")  # Ray Train checkpoints; "" = <work_dir>/ray_train
     ray_address: str = op("")  # "" = RAY_ADDRESS if set, else a new local Ray (pipeline.ray_env.ray_address)
-    name: str = op("transformer-base")
+    name: str = op("transformer-base")  # the name of the workflow's MLflow parent run
     data_num_cpus: float = op(1.0)  # CPUs per Ray Data task/actor (keep < all CPUs: ray#44687)
     data_concurrency: int = op(1)  # Ray Data actors for encode
 
@@ -248,8 +250,8 @@ class TrackingConfig:
     """MLflow: a local SQLite store under the work dir unless a server is named."""
 
     uri: str = op("")  # "" = $MLFLOW_TRACKING_URI, else sqlite:///<work_dir>/mlflow.db
-    experiment: str = op("transformer-wmt14-ende")
-    enabled: bool = op(True)
+    experiment: str = op("transformer-wmt14-ende")  # the MLflow experiment
+    enabled: bool = op(True)  # false: nothing is logged to MLflow, and register registers nothing
     # Workers log metrics through a buffer a background thread delivers (pipeline.tracking): an
     # outage of the server up to this long loses nothing; past it the oldest points are dropped
     # (counted in the run's tag tracking/dropped_points).

@@ -5,7 +5,9 @@
 - Every relative link and image in README.md and docs/*.md resolves: the file exists, and a
   `#fragment` names a heading of that page (GitHub's anchors).
 - Every `make TARGET` the pages name is a target of the Makefile.
-- docs/configuration.md names every key of the config schema, with its default.
+- docs/configuration.md names every key of the config schema, with its default, and its key tables
+  are the ones `python -m pipeline.config.reference --write` generates from the schema; every key
+  has a meaning (its field's comment).
 - docs/architecture.md's map of the tree ("Every file, by folder") names every package and module
   of the product (model/, pipeline/, workflows/) and every benchmark script, and every file it
   names exists. A module added without a line in the map, or a line left for a module that moved,
@@ -169,6 +171,23 @@ def test_configuration_page_names_every_key_with_its_default():
     assert not missing, f"docs/configuration.md does not list: {missing}"
     assert not wrong, f"docs/configuration.md has stale defaults: {wrong}"
     assert not set(rows) - schema_keys, f"docs/configuration.md lists keys the schema lacks: {sorted(set(rows) - schema_keys)}"
+
+
+def test_configuration_key_tables_are_generated_from_the_schema():
+    from pipeline.config import reference
+
+    page = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert reference.BEGIN in page and reference.END in page, "docs/configuration.md lost its generated-table markers"
+    assert page == reference.with_tables(page), \
+        "docs/configuration.md's key tables differ from the schema: run `python -m pipeline.config.reference --write`"
+
+
+def test_every_config_key_has_a_meaning():
+    """The comment above or beside each schema field is what --help and docs/configuration.md show."""
+    from pipeline.config import reference
+
+    bare = [f"{k.section}.{k.key}" for k in reference.keys() if not k.meaning]
+    assert not bare, f"schema fields without a comment (their meaning in --help and the docs): {bare}"
 
 
 # -- the map of the tree ----------------------------------------------------------------------
