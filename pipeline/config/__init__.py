@@ -8,6 +8,8 @@
   plan) and `op`, the mark of a field no cache key holds;
 - `checks`: `ConfigError` and the checks both share;
 - `devices`: what `"auto"` and the booleans of the per-device settings decide.
+- `reference`: every key with its type, default and meaning (the schema's comments), for
+  ``--help``, docs/configuration.md's generated tables and ``--print-config``'s TOML.
 
 Part of the pipeline core: imports the standard library and `model.config` only.
 """
