@@ -2,9 +2,25 @@
 # `make test` = the tests.
 PYTHON ?= python3
 VENV ?= .venv
-# PyPI's Linux wheel of torch 2.13.0 is the CUDA build; set TORCH_SPEC (e.g. add
-# --index-url https://download.pytorch.org/whl/cu128) to pick another build.
+# torch's version (pyproject.toml pins the same); its build (CPU, CUDA 12.8, ...) comes from TORCH_INDEX.
 TORCH_SPEC ?= torch==2.13.0
+# The index torch's build comes from, handed to pip as an extra index beside PyPI and pip's own config (e.g. a
+# find-links folder holding a CPU wheel): pip takes the highest version, and a build's local label
+# (2.13.0+cpu, 2.13.0+cu128) ranks above PyPI's plain 2.13.0, whose Linux wheel is the CUDA 13 build.
+# Default: the CPU index where no NVIDIA GPU answers `nvidia-smi -L` (no driver, no GPU, not Linux), else
+# PyPI's build. `make install TORCH_INDEX=https://download.pytorch.org/whl/cu128` takes that index;
+# `TORCH_INDEX=` PyPI's build only.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+NVIDIA_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+TORCH_INDEX ?= $(if $(NVIDIA_GPU),,$(TORCH_CPU_INDEX))
+TORCH_ARGS := $(TORCH_SPEC)$(if $(TORCH_INDEX), --extra-index-url $(TORCH_INDEX))
+TORCH_WHY := $(if $(filter file,$(origin TORCH_INDEX)),$(if $(NVIDIA_GPU),nvidia-smi -L lists an NVIDIA GPU,no NVIDIA GPU: \
+	nvidia-smi -L fails); TORCH_INDEX=URL picks another,TORCH_INDEX given)
+# The torch build the venv holds: a stamp named by a checksum of TORCH_ARGS (and holding them), so another
+# TORCH_SPEC or TORCH_INDEX names another stamp and reinstalls torch even where .installed exists.
+TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_ARGS)' | cksum | cut -d ' ' -f 1)
+# Every package but torch, pinned (make lock writes it).
+LOCK := requirements.lock
 # The offline WMT14 stand-in (tests, CI, air-gapped machines); unset = the real statmt.org URLs.
 SHARED_MIRROR := $(abspath ../shared/data/statmt-mirror)
 WMT14_MIRROR ?= $(if $(wildcard $(SHARED_MIRROR)),$(SHARED_MIRROR),)
@@ -23,22 +39,54 @@ RUN_RECORD ?= work/last-run.json
 SERVE_ARGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: install run multi30k serve plan test test-unit test-slow test-extended ui bench clean
+.PHONY: install lock run multi30k serve plan test test-unit test-slow test-extended ui bench clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install "$(TORCH_SPEC)" uv
-	@# torch with pip (it reads pip's own config, e.g. a find-links folder holding a CPU wheel); the rest
-	@# with uv, which installs the ~190 packages in parallel: 18 s instead of pip's ~2.5 min (2 cores, AVX2;
-	@# measured before --compile-bytecode, which adds ~24 s on 2 cores, AVX512-BF16).
-	@# --compile-bytecode: uv, unlike pip, writes no .pyc files, and where PYTHONDONTWRITEBYTECODE is
-	@# set nothing ever does, so every Ray worker compiled ray, ray.data, ray.train and mlflow from
-	@# source at each start (ray.train: 3.9 s of CPU instead of 1.5 s on 2 cores, AVX512-BF16; docs/benchmarks.md,
-	@# "Process start-up").
-	$(BIN)/uv pip install --compile-bytecode --python $(BIN)/python -e '.[test]'
+# pip installs uv and torch (it reads pip's own config, e.g. a find-links folder holding a CPU wheel); uv
+# installs the lock's ~185 packages in parallel: 18 s instead of pip's ~2.5 min (2 cores, AVX2;
+# measured before --compile-bytecode, which adds ~24 s on 2 cores, AVX512-BF16).
+# --compile-bytecode: uv, unlike pip, writes no .pyc files, and where PYTHONDONTWRITEBYTECODE is
+# set nothing ever does, so every Ray worker compiled ray, ray.data, ray.train and mlflow from
+# source at each start (ray.train: 3.9 s of CPU instead of 1.5 s on 2 cores, AVX512-BF16; docs/benchmarks.md,
+# "Process start-up").
+# Exactly the lock (--no-deps); then pip adds what the torch build itself needs beyond it (a CUDA build's
+# runtime wheels, at the versions its metadata pins; nothing for the CPU build), held to the lock's pins
+# (-c); then the project, editable; `uv pip check` fails on any requirement left unmet (a stale lock).
+$(VENV)/.installed: pyproject.toml $(LOCK) $(TORCH_STAMP)
+	$(BIN)/uv pip install --compile-bytecode --python $(BIN)/python --no-deps -r $(LOCK)
+	$(BIN)/pip install -c $(LOCK) $(TORCH_ARGS)
+	$(BIN)/uv pip install --compile-bytecode --python $(BIN)/python --no-deps -e .
+	$(BIN)/uv pip check --python $(BIN)/python
 	touch $@
+
+# torch alone (--no-deps: its dependencies come from the lock), replacing whatever build was there
+# (--force-reinstall: an installed 2.13.0+cu128 satisfies torch==2.13.0 too). Where TORCH_INDEX cannot
+# be reached, pip warns and retries it (about 10 s), then takes the best build PyPI and its config offer
+# (a CPU wheel in a find-links folder pip's config names; else PyPI's CUDA build): its last line names the build.
+# A CUDA build's runtime wheels stay when a CPU build replaces it: `rm -rf .venv` for a clean venv.
+$(TORCH_STAMP): | $(BIN)/uv
+	@echo "make install: $(TORCH_SPEC), its build from $(or $(TORCH_INDEX),PyPI) ($(TORCH_WHY))"
+	$(BIN)/pip install --no-deps --force-reinstall $(TORCH_ARGS)
+	rm -f $(VENV)/.torch-*
+	printf '%s\n' '$(TORCH_ARGS)' > $@
+
+$(BIN)/uv:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install uv
+
+# The lock: every package `make install` installs but torch, for Linux x86_64 and Python 3.11 (pyproject.toml's
+# pins and its test extra). It is resolved with torch's CPU build, whose dependencies hold no CUDA runtime, so a
+# CPU install never fetches one; pip downloads that wheel as `make install` would find it. Run after editing
+# pyproject.toml's dependencies (tests/unit/core/test_install.py fails on a lock that misses a pin); uv keeps
+# the lock's other versions where it can (`rm requirements.lock; make lock` takes the newest of everything).
+lock: $(BIN)/uv
+	rm -rf $(VENV)/lock-torch
+	$(BIN)/pip download --no-deps --only-binary :all: --platform manylinux_2_28_x86_64 --python-version 3.11 \
+		-d $(VENV)/lock-torch $(TORCH_SPEC) --extra-index-url $(TORCH_CPU_INDEX)
+	$(BIN)/uv pip compile pyproject.toml --extra test --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
+		--find-links $(VENV)/lock-torch --no-emit-package torch --custom-compile-command 'make lock' -o $(LOCK)
+	rm -rf $(VENV)/lock-torch
 
 run: install
 	$(BIN)/python workflows/reproduce_base.py --config $(CONFIG) --record $(RUN_RECORD) $(if $(WMT14_MIRROR),--data.mirror=$(WMT14_MIRROR),) $(ARGS)

@@ -131,8 +131,8 @@ def test_make_ui_opens_the_recorded_store(tmp_path):
     run_record.write(str(record), cfg, [LOCAL], [], tracking_uri=store)
 
     def make_ui(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["make", "-s", "ui", f"VENV={venv}", *args], capture_output=True, text=True, cwd=ROOT,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return subprocess.run(["make", "-s", "-o", "install", "ui", f"VENV={venv}", *args], capture_output=True,
+                              text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
     out = make_ui(f"RUN_RECORD={record}")
     assert out.returncode == 0 and f"mlflow ui --backend-store-uri {store} --host 127.0.0.1" in out.stdout, out
