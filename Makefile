@@ -21,13 +21,21 @@ TORCH_WHY := $(if $(filter file,$(origin TORCH_INDEX)),$(if $(NVIDIA_GPU),nvidia
 TORCH_STAMP := $(VENV)/.torch-$(shell printf '%s' '$(TORCH_ARGS)' | cksum | cut -d ' ' -f 1)
 # Every package but torch, pinned (make lock writes it).
 LOCK := requirements.lock
-# The offline WMT14 stand-in (tests, CI, air-gapped machines); unset = the real statmt.org URLs.
+# The data the tests read: ../shared/data where the checkout has it, else TEST_DATA, which `make test-data` fills
+# from the files' public sources (TEST_DATA_BASE_URL: raw.githubusercontent.com or a mirror of its layout).
+TEST_DATA ?= .test-data
+TEST_DATA_BASE_URL ?= https://raw.githubusercontent.com
+# The offline WMT14 stand-in (tests, CI, air-gapped machines), also for `make run` and `make plan` where
+# present; WMT14_MIRROR= (empty) = the real statmt.org URLs.
 SHARED_MIRROR := $(abspath ../shared/data/statmt-mirror)
-WMT14_MIRROR ?= $(if $(wildcard $(SHARED_MIRROR)),$(SHARED_MIRROR),)
+WMT14_MIRROR ?= $(firstword $(wildcard $(SHARED_MIRROR) $(abspath $(TEST_DATA)/statmt-mirror)))
 export WMT14_MIRROR
+# The WMT14 test files as plain text (newstest2013/2014, training samples), for the tests.
+WMT14_DATA ?= $(firstword $(wildcard $(abspath ../shared/data/wmt14 $(TEST_DATA)/wmt14)))
+export WMT14_DATA
 # The offline Multi30k stand-in (same layout as github.com/multi30k/dataset/raw/<commit>/).
 SHARED_MULTI30K := $(abspath ../shared/data/multi30k)
-MULTI30K_MIRROR ?= $(if $(wildcard $(SHARED_MULTI30K)),$(SHARED_MULTI30K),)
+MULTI30K_MIRROR ?= $(firstword $(wildcard $(SHARED_MULTI30K) $(abspath $(TEST_DATA)/multi30k)))
 export MULTI30K_MIRROR
 MULTI30K_CONFIG ?= configs/multi30k-tiny.toml
 CONFIG ?= configs/local.toml
@@ -39,7 +47,7 @@ RUN_RECORD ?= work/last-run.json
 SERVE_ARGS ?=
 BIN := $(VENV)/bin
 
-.PHONY: install lock run multi30k serve plan test test-unit test-slow test-extended ui bench clean
+.PHONY: install lock run multi30k serve plan test test-unit test-slow test-extended test-data ui bench clean
 
 install: $(VENV)/.installed
 
@@ -140,6 +148,13 @@ test-slow: install
 # not in `make test` (CI), run them before a release or when touching their path.
 test-extended: install
 	$(BIN)/python -m pytest tests -m extended $(PYTEST_TIERS)
+
+# The data the tests read, into TEST_DATA (git-ignored), for a checkout without ../shared/data: every file from its
+# public GitHub source at a pinned commit, checked against its sha256 (tests/support/test_data.json; ~26 MB from
+# 52 files on a first run), in ../shared/data's layout; a file already there is not fetched again. Without it
+# the data tests skip, naming this command. The standard library only: no venv needed.
+test-data:
+	$(PYTHON) -m tests.support.test_data --dest $(TEST_DATA) --base-url $(TEST_DATA_BASE_URL)
 
 # The MLflow store of the last `make run` / `make multi30k` (its run record names it); a tracking server's
 # URI is printed to open instead. Another store: make ui UI_STORE=sqlite:////path/to/mlflow.db

@@ -15,33 +15,31 @@ REPO = Path(__file__).resolve().parents[1]
 # spent ~5 s waiting for polls. A long run on 2 cores trains ~12% slower at 0.5 s, so the product keeps
 # Ray's default (docs/benchmarks.md, "Ray Train's poll interval").
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
-# The mirror is passed by .ci/run / the Makefile; the fallback is the sibling shared/ folder.
-_DEFAULT_SHARED = REPO.parent / "shared" / "data"
-
-
-def _dir_from_env(var: str, fallback: Path) -> Path | None:
-    value = os.environ.get(var)
-    path = Path(value) if value else fallback
-    return path if path.is_dir() else None
+# tests/support/test_data.py is `make test-data`'s script, not a test module (its name matches test_*.py).
+collect_ignore = ["support/test_data.py"]
 
 
 @pytest.fixture(scope="session")
 def mirror_dir() -> Path:
-    """The offline stand-in for statmt.org (real archive layouts, sampled data)."""
-    path = _dir_from_env("WMT14_MIRROR", _DEFAULT_SHARED / "statmt-mirror")
+    """The offline stand-in for statmt.org (real archive layouts, sampled data): $WMT14_MIRROR, else
+    ../shared/data/statmt-mirror, else .test-data/statmt-mirror (`make test-data`)."""
+    from tests.support.test_data import data_dir, missing
+
+    path = data_dir("WMT14_MIRROR", "statmt-mirror")
     if path is None:
-        pytest.skip("WMT14_MIRROR is not set and ../shared/data/statmt-mirror is absent: "
-                    "this test needs the offline WMT14 mirror (see README, 'Tests')")
+        pytest.skip(missing("the offline WMT14 mirror (statmt-mirror)", "WMT14_MIRROR"))
     return path
 
 
 @pytest.fixture(scope="session")
 def wmt14_dir() -> Path:
-    """Plain-text newstest2013/2014 and training samples (shared/data/wmt14)."""
-    path = _dir_from_env("WMT14_DATA", _DEFAULT_SHARED / "wmt14")
+    """Plain-text newstest2013/2014 and training samples: $WMT14_DATA, else ../shared/data/wmt14, else
+    .test-data/wmt14 (`make test-data`)."""
+    from tests.support.test_data import data_dir, missing
+
+    path = data_dir("WMT14_DATA", "wmt14")
     if path is None:
-        pytest.skip("WMT14_DATA is not set and ../shared/data/wmt14 is absent: "
-                    "this test needs the WMT14 test files (see README, 'Tests')")
+        pytest.skip(missing("the WMT14 test files (wmt14)", "WMT14_DATA"))
     return path
 
 

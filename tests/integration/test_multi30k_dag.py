@@ -6,7 +6,6 @@ and in MLflow. `make multi30k` is the same code path at full size."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.dag import ORDER
+from tests.support.test_data import data_dir, missing
 from workflows import reproduce_base
 
 SMALL = [
@@ -29,10 +29,9 @@ SMALL = [
 
 @pytest.fixture(scope="module")
 def multi30k_dir() -> Path:
-    value = os.environ.get("MULTI30K_MIRROR")
-    path = Path(value) if value else reproduce_base.REPO.parent / "shared" / "data" / "multi30k"
-    if not path.is_dir():
-        pytest.skip("MULTI30K_MIRROR is not set and ../shared/data/multi30k is absent (see README, 'Tests')")
+    path = data_dir("MULTI30K_MIRROR", "multi30k")  # else ../shared/data/multi30k, else .test-data/multi30k
+    if path is None:
+        pytest.skip(missing("the offline Multi30k mirror (multi30k)", "MULTI30K_MIRROR"))
     return path
 
 

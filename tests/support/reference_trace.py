@@ -54,13 +54,22 @@ TRAIN_STEPS = 8
 BEAM_SENTENCES = 48
 
 
+def _data(var: str, sub: str) -> Path:
+    """$var, else ../shared/data/<sub>, else .test-data/<sub> (`make test-data`): as the tests' fixtures."""
+    from tests.support.test_data import data_dir, missing
+
+    found = data_dir(var, sub)
+    if found is None:
+        raise FileNotFoundError(missing(f"the {sub} test data", var))
+    return found
+
+
 def multi30k_dir() -> Path:
-    root = os.environ.get("MULTI30K_MIRROR") or str(REPO.parent / "shared" / "data" / "multi30k")
-    return Path(root) / "data" / "task1" / "tok"
+    return _data("MULTI30K_MIRROR", "multi30k") / "data" / "task1" / "tok"
 
 
 def wmt14_dir() -> Path:
-    return Path(os.environ.get("WMT14_DATA") or str(REPO.parent / "shared" / "data" / "wmt14"))
+    return _data("WMT14_DATA", "wmt14")
 
 
 def _lines(split: str, lang: str) -> list[str]:
