@@ -145,14 +145,28 @@ class Cluster:
         return f"{len(self.nodes)} node(s) on {len(self.hosts)} host(s), {totals or 'nothing'} {grows}"
 
 
-def connected_cluster() -> Cluster:
-    """The `Cluster` of the Ray this driver is connected to (`ray.nodes()`, and the autoscaler's
-    node types from the GCS: what Ray Train's own check reads, `ray._private.state`)."""
+def _node_types() -> tuple[tuple[dict[str, float], int], ...]:
+    """The autoscaler's node types from the GCS, as Ray Train's own check reads them
+    (`ray._private.state`); () without an autoscaler."""
     import ray
     from ray._private import state
 
+    config = state.state.get_cluster_config() if ray.is_initialized() else None
+    return tuple((dict(g.resources), int(g.max_count)) for g in (config.node_group_configs if config else ()))
+
+
+def connected_cluster() -> Cluster:
+    """The `Cluster` of the Ray this driver is connected to: `ray.nodes()` and the autoscaler's node types."""
+    import ray
+
     alive = [n for n in ray.nodes() if n.get("Alive")]
-    config = state.state.get_cluster_config()
-    types = tuple((dict(g.resources), int(g.max_count)) for g in (config.node_group_configs if config else ()))
-    return Cluster(frozenset(n["NodeManagerAddress"] for n in alive),
-                   tuple(dict(n["Resources"]) for n in alive), types)
+    return Cluster(frozenset(n.get("NodeManagerAddress", "") for n in alive),
+                   tuple(dict(n["Resources"]) for n in alive), _node_types())
+
+
+def cluster_gpus() -> float:
+    """The GPUs of the connected cluster now (`ray.cluster_resources()`), or at its autoscaler's
+    maximum where that is more: what `"auto"` and `true` of a stage's `use_gpu` are decided on."""
+    import ray
+
+    return max(ray.cluster_resources().get("GPU", 0.0), sum(r.get("GPU", 0.0) * k for r, k in _node_types()))

@@ -59,10 +59,10 @@ def _ct2_model(ctx: StageContext) -> str:
 
 def _actor_resources(cfg: Any) -> tuple[dict[str, Any], str, int]:
     """(map_batches resources, device, torch threads per actor)."""
-    from pipeline.ray_env import connected_cluster
+    from pipeline.ray_env import cluster_gpus
 
     num_cpus = cfg.run.data_num_cpus
-    if use_gpus(cfg.eval.use_gpu, connected_cluster().most("GPU"), "eval.use_gpu"):
+    if use_gpus(cfg.eval.use_gpu, cluster_gpus(), "eval.use_gpu"):
         return {"num_gpus": 1, "num_cpus": num_cpus}, "cuda", 0
     # Ray reserves run.data_num_cpus per actor (fewer than the node's CPUs, so Ray Data's read
     # tasks keep one: an actor pool holding every CPU deadlocks them), but the actors' torch

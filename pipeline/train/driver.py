@@ -37,7 +37,7 @@ from pipeline.decoding.selection import kept_shortfall
 from pipeline.models import model_config_for
 from pipeline.plan import bill, step_groups
 from pipeline.plan.step_groups import worker_range
-from pipeline.ray_env import connected_cluster, ensure_ray, node_cpus, worker_logging
+from pipeline.ray_env import cluster_gpus, ensure_ray, node_cpus, worker_logging
 from pipeline.stage import StageContext, StageResult
 from pipeline.tracking import deliver_spool, spool_dir_for
 from pipeline.train import checkpoint as train_checkpoint
@@ -159,7 +159,7 @@ def forget_run(cfg: Config, key: str) -> None:
 def gpu_training(cfg: Config) -> bool:
     """Train on GPUs: `workers.use_gpu` against the (already connected) Ray cluster ("auto": when it
     has one, or its autoscaler can add one; true without either is a ConfigError)."""
-    return use_gpus(cfg.workers.use_gpu, connected_cluster().most("GPU"), "workers.use_gpu")
+    return use_gpus(cfg.workers.use_gpu, cluster_gpus(), "workers.use_gpu")
 
 
 def cpus_per_worker(cfg: Config, use_gpu: bool, per_node: list[float] | None = None) -> int:
