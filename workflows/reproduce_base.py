@@ -27,6 +27,7 @@ if str(REPO) not in sys.path:  # `python workflows/reproduce_base.py` puts workf
 from pipeline import run_record, storage  # noqa: E402
 from pipeline.config import ConfigError, load_config  # noqa: E402
 from pipeline.config.reference import help_text, to_toml  # noqa: E402
+from pipeline.data.fetch import DataError  # noqa: E402
 from pipeline.dag import ORDER  # noqa: E402
 from pipeline.stage import NotImplementedStage  # noqa: E402
 from pipeline.tracking import tracking_uri_for  # noqa: E402
@@ -112,8 +113,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         report = manifests["score"].outputs.get("report") if "score" in manifests else None
         if report:  # the one table a user looks for: ours next to the paper's
             print("\n" + storage.read_text(report), flush=True)
-    except (ConfigError, WorkDirBusy, ConnectionError, NotImplementedStage) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, WorkDirBusy, ConnectionError, NotImplementedStage, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)  # a download that failed names its URL: no traceback to read
         return 2
     return 0
 

@@ -181,3 +181,30 @@ def test_the_console_script_is_declared_and_its_target_imports():
     module, _, name = scripts["transformer-repro"].partition(":")
     assert callable(getattr(importlib.import_module(module), name))
     assert getattr(importlib.import_module(module), name) is cli.main
+
+
+def test_a_failed_download_is_one_line_naming_its_url(tmp_path, monkeypatch, capsys):
+    """A stage's DataError (statmt.org unreachable, a checksum that differs) ends the run with exit 2
+    and the error's own line, not a traceback."""
+    from contextlib import contextmanager
+
+    from pipeline.data.fetch import DataError
+    from workflows import reproduce_base, runner
+
+    @contextmanager
+    def no_ray(cfg, start_ray=True, runs=()):
+        class Session:
+            @contextmanager
+            def parent_run(self, tags):
+                yield None
+        yield Session()
+
+    def download(cfg, plans, tracking):
+        raise DataError("cannot download http://statmt.org/wmt14/dev.tgz after 5 attempts: no route")
+
+    monkeypatch.setattr(reproduce_base, "driver_session", no_ray)
+    monkeypatch.setattr(runner, "execute", download)
+    rc = reproduce_base.main(["--config", "configs/local.toml", f"--run.work_dir={tmp_path}"])
+    assert rc == 2
+    assert capsys.readouterr().err.strip() == ("error: cannot download http://statmt.org/wmt14/dev.tgz after 5 "
+                                               "attempts: no route")
