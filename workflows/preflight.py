@@ -12,7 +12,7 @@ from typing import Collection
 from pipeline import storage
 from pipeline.config import Config, ConfigError
 from pipeline.config.devices import use_gpus
-from pipeline.ray_env import Cluster
+from pipeline.ray_env import Cluster, connected_cluster
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,11 @@ def check_cluster(cfg: Config, cluster: Cluster, runs: Collection[str], mounts: 
         _check_train_workers(cfg, cluster)
     if "translate" in runs:
         _check_translate_actors(cfg, cluster)
+
+
+def check_ray(cfg: Config, runs: Collection[str]) -> None:
+    """`check_cluster` on the Ray this driver has reached."""
+    check_cluster(cfg, connected_cluster(), runs)
 
 
 def _check_shared_storage(cfg: Config, cluster: Cluster, mounts: str) -> None:

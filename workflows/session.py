@@ -19,9 +19,9 @@ from typing import Any, Collection, Iterator
 
 from pipeline.config import Config
 from pipeline.dag import ORDER
-from pipeline.ray_env import connected_cluster, ensure_ray
+from pipeline.ray_env import ensure_ray
 from workflows.lock import WorkDirLock
-from workflows.preflight import check_cluster
+from workflows.preflight import check_ray
 
 
 class DriverSession:
@@ -49,13 +49,13 @@ class DriverSession:
 def driver_session(cfg: Config, start_ray: bool = True, runs: Collection[str] = ORDER) -> Iterator[DriverSession]:
     """Hold `cfg`'s work-dir lock (`workflows.lock`: one driver per work dir) and, with
     `start_ray`, reach Ray (`pipeline.ray_env.ensure_ray`) and check that it can run the stages
-    `runs` (`workflows.preflight.check_cluster`); stop a Ray this call started."""
+    `runs` (`workflows.preflight.check_ray`); stop a Ray this call started."""
     started_ray = False
     try:
         with WorkDirLock(cfg.run.work_dir):
             if start_ray:
                 started_ray = ensure_ray(cfg)
-                check_cluster(cfg, connected_cluster(), runs)
+                check_ray(cfg, runs)
             yield DriverSession(cfg)
     finally:
         if started_ray:

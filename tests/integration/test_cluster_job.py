@@ -65,6 +65,7 @@ def test_runner_tracks_to_the_mlflow_server(cluster_env, s3_module, mlflow_uri, 
 
     monkeypatch.setattr(Stage, "load", fake_load)
     monkeypatch.setattr(session, "ensure_ray", lambda cfg: False)
+    monkeypatch.setattr(session, "check_ray", lambda cfg, runs: None)  # no Ray, so no cluster to check
     work_dir = s3_module.uri("tracked")
     assert reproduce_base.main([f"--run.work_dir={work_dir}", "--run.name=fake-stages"]) == 0
 

@@ -72,6 +72,7 @@ def fake_stages(monkeypatch):
 
     monkeypatch.setattr(Stage, "load", fake_load)
     monkeypatch.setattr(session, "ensure_ray", lambda cfg: False)  # the fake stages need no Ray
+    monkeypatch.setattr(session, "check_ray", lambda cfg, runs: None)  # nor a cluster to check
     return ran
 
 
