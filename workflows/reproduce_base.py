@@ -42,7 +42,9 @@ log = logging.getLogger("reproduce_base")
 def parse_args(argv: list[str], prog: str | None = None) -> tuple[argparse.Namespace, list[str]]:
     """The flags and the ``--section.key=value`` overrides; --help ends with every config key
     (`pipeline.config.reference.help_text`)."""
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, epilog=help_text(),
+    # Every key's help is read from the schema's source (~50 ms): only when help is asked for.
+    asks_help = any(a in ("-h", "--help") for a in argv)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, epilog=help_text() if asks_help else None,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", default=None,
                    help="TOML file (configs/base.toml, configs/local.toml, ...); repeatable: later files "
