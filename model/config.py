@@ -13,8 +13,19 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-# "sinusoid" (§3.5) or "learned" positional embeddings (Table 3 row E, after Gehring et al.)
-Positional = Literal["sinusoid", "learned"]
+# "sinusoid" (§3.5), "learned" positional embeddings (Table 3 row E, after Gehring et al.), or "rotary"
+# positions (Su et al., 2021) that rotate the queries and keys of self-attention instead
+Positional = Literal["sinusoid", "learned", "rotary"]
+NormPosition = Literal["post", "pre"]  # model.norm_position
+Norm = Literal["layernorm", "rmsnorm"]  # model.norm
+FeedForwardKind = Literal["relu", "swiglu"]  # model.ffn
+
+
+def _option(default: Any) -> Any:
+    """A field for a row after the paper (docs/model.md): `default` is the paper's model, and a stage's
+    cache key holds the field only when it is set otherwise (the pipeline's ``cache = "if_set"``,
+    `pipeline.config.schema.keyed_if_set`), so the keys of configs without it stay as they were."""
+    return dataclasses.field(default=default, metadata={"cache": "if_set"})
 
 
 @dataclass(kw_only=True)
@@ -32,7 +43,15 @@ class ModelSizes:
     n_decoder_layers: int = 6  # decoder stack depth N (§3.1)
     dropout: float = 0.1  # residual + embedding dropout P_drop (§5.4)
     max_positions: int = 1024  # sinusoid table length; must cover the longest source + 50 (§6.1)
-    positional: Positional = "sinusoid"  # Table 3 row E: "learned"
+    positional: Positional = "sinusoid"  # Table 3 row E: "learned"; "rotary" (Su et al., 2021): q, k rotated
+    # "post": Norm(x + Sublayer(x)) (§3.1); "pre": x + Sublayer(Norm(x)) and a final norm after each
+    # stack (Xiong et al., 2020)
+    norm_position: NormPosition = _option("post")
+    # "layernorm" (§3.1) or "rmsnorm" (Zhang & Sennrich, 2019): x / RMS(x) * g, no mean, no bias
+    norm: Norm = _option("layernorm")
+    # "relu": max(0, x W1 + b1) W2 + b2 (§3.3); "swiglu" (Shazeer, 2020): (silu(x W1 + b1) * (x W3 + b3)) W2 + b2,
+    # d_ff the width of both W1 and W3 (+ d_model * d_ff + d_ff parameters per layer)
+    ffn: FeedForwardKind = _option("relu")
 
     def check_sizes(self, prefix: str) -> None:
         """Types and values of the size fields; a TypeError/ValueError naming ``<prefix><field>``.
@@ -51,6 +70,9 @@ class ModelSizes:
                                  f"{prefix}n_heads ({self.n_heads}) unless {prefix}{name} is given")
             if value is not None and value <= 0:
                 raise ValueError(f"{prefix}{name} must be positive, got {value}")
+        if self.positional == "rotary" and any(w % 2 for w in self.head_dims):
+            raise ValueError(f"{prefix}positional = 'rotary' rotates pairs of head dimensions: d_k and d_v must be "
+                             f"even, got {self.head_dims}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{prefix}dropout must be in [0, 1), got {self.dropout}")
 

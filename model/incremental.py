@@ -27,60 +27,96 @@ from .kernels import add_into
 from .padding import Positions, key_padding_to_attn_mask
 
 
+Linear = tuple[torch.Tensor, torch.Tensor]  # (W.T contiguous (d_in, d_out), bias)
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     """What `decoder_layer_step` reads of a `DecoderLayer`: each Linear as (W.T contiguous
     (d_in, d_out), bias), since for the few rows of a step addmm(b, x, W.T) beats F.linear's
-    x @ W.T on CPU; each LayerNorm as (weight, bias). Made once per search, not per step."""
+    x @ W.T on CPU; each norm as (gain, bias), bias None for RMSNorm. Made once per search, not
+    per step. The options after the paper (`ModelConfig`) are the last four fields."""
 
     n_heads: int
     hs: int  # head width (= d_k = d_v)
-    eps: float  # the LayerNorms' epsilon
-    qkv: tuple[torch.Tensor, torch.Tensor]  # self-attention [W_Q; W_K; W_V]^T (d, 3d), bias
-    self_out: tuple[torch.Tensor, torch.Tensor]  # self-attention W_O^T (d, d), bias
-    cross_q: tuple[torch.Tensor, torch.Tensor]  # cross-attention W_Q^T (d, d), bias
-    cross_out: tuple[torch.Tensor, torch.Tensor]  # cross-attention W_O^T (d, d), bias
-    ffn1: tuple[torch.Tensor, torch.Tensor]  # W_1^T (d, d_ff), b_1
-    ffn2: tuple[torch.Tensor, torch.Tensor]  # W_2^T (d_ff, d), b_2
-    norm1: tuple[torch.Tensor, torch.Tensor]  # gain, bias
-    norm2: tuple[torch.Tensor, torch.Tensor]
-    norm3: tuple[torch.Tensor, torch.Tensor]
+    eps: float  # the norms' epsilon
+    qkv: Linear  # self-attention [W_Q; W_K; W_V]^T (d, 3d), bias
+    self_out: Linear  # self-attention W_O^T (d, d), bias
+    cross_q: Linear  # cross-attention W_Q^T (d, d), bias
+    cross_out: Linear  # cross-attention W_O^T (d, d), bias
+    ffn1: Linear  # W_1^T (d, d_ff), b_1
+    ffn2: Linear  # W_2^T (d_ff, d), b_2
+    norm1: tuple[torch.Tensor, torch.Tensor | None]  # gain, bias
+    norm2: tuple[torch.Tensor, torch.Tensor | None]
+    norm3: tuple[torch.Tensor, torch.Tensor | None]
+    pre_norm: bool = False  # x + Sublayer(Norm(x)) instead of Norm(x + Sublayer(x))
+    rms_norm: bool = False  # RMSNorm instead of LayerNorm
+    ffn3: Linear | None = None  # SwiGLU's W_3^T (d, d_ff), b_3
+    rotary: nn.Module | None = None  # the self-attention's `Rotary`
 
     @classmethod
     def of(cls, layer: nn.Module) -> "LayerWeights":
         """The weights of `layer` (a `DecoderLayer`)."""
         sa, ca, ffn = layer.self_attn, layer.cross_attn, layer.ffn
 
-        def linear(m: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        def linear(m: nn.Linear) -> Linear:
             return m.weight.t().contiguous(), m.bias
 
-        def norm(m: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
-            return m.weight, m.bias
+        def norm(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return m.weight, getattr(m, "bias", None)
 
         return cls(sa.n_heads, sa.heads.hs, layer.norm1.eps, linear(sa.qkv_proj), linear(sa.out_proj),
                    linear(ca.q_proj), linear(ca.out_proj), linear(ffn.w1), linear(ffn.w2),
-                   norm(layer.norm1), norm(layer.norm2), norm(layer.norm3))
+                   norm(layer.norm1), norm(layer.norm2), norm(layer.norm3), layer.pre_norm,
+                   isinstance(layer.norm1, nn.RMSNorm), None if ffn.w3 is None else linear(ffn.w3), sa.rotary)
 
 
 def decoder_layer_step(w: LayerWeights, x: torch.Tensor, cross_kv: torch.Tensor, cross_mask: torch.Tensor,
                        cache: torch.Tensor, step: int) -> torch.Tensor:
     """`DecoderLayer.forward` for one new token per row in eval mode (no dropout), on x (N, d),
-    with the layer's `LayerWeights`; writes this step's K/V at `step` of cache (2, N, h, L, hs)."""
-    h, hs, eps = w.n_heads, w.hs, w.eps
-    N, d = x.shape
+    with the layer's `LayerWeights`; writes this step's K/V at `step` of cache (2, N, h, L, hs).
+    Each sublayer as `transformer._residual`: Norm(x + Sublayer(x)), or x + Sublayer(Norm(x)) pre-norm."""
+    if w.pre_norm:  # Xiong et al. (2020)
+        x = add_into(_self_attention(w, _norm(w, w.norm1, x), cache, step), x)
+        x = add_into(_cross_attention(w, _norm(w, w.norm2, x), cross_kv, cross_mask), x)
+        return add_into(_ffn(w, _norm(w, w.norm3, x)), x)
+    x = _norm(w, w.norm1, add_into(_self_attention(w, x, cache, step), x))
+    x = _norm(w, w.norm2, add_into(_cross_attention(w, x, cross_kv, cross_mask), x))
+    return _norm(w, w.norm3, add_into(_ffn(w, x), x))
+
+
+def _self_attention(w: LayerWeights, x: torch.Tensor, cache: torch.Tensor, step: int) -> torch.Tensor:
+    N, h, hs = x.shape[0], w.n_heads, w.hs
     qkv = torch.addmm(w.qkv[1], x, w.qkv[0]).view(N, 3, h, hs)
-    cache[:, :, :, step] = qkv[:, 1:].transpose(0, 1)  # (2, N, h, hs)
-    y = F.scaled_dot_product_attention(qkv[:, 0, :, None], cache[0, :, :, : step + 1],
-                                       cache[1, :, :, : step + 1])  # (N, h, 1, hs)
-    x = torch.layer_norm(add_into(torch.addmm(w.self_out[1], y.reshape(N, h * hs), w.self_out[0]), x), (d,),
-                         *w.norm1, eps)
-    B = cross_kv.shape[1]  # a sentence's N // B beams are its queries (see CrossAttention)
+    q = qkv[:, 0, :, None]  # (N, h, 1, hs)
+    if w.rotary is None:
+        cache[:, :, :, step] = qkv[:, 1:].transpose(0, 1)  # (2, N, h, hs)
+    else:  # Su et al. (2021): the new query and key rotated by their position
+        q = w.rotary(q, step)
+        cache[0, :, :, step], cache[1, :, :, step] = w.rotary(qkv[:, 1, :, None], step)[:, :, 0], qkv[:, 2]
+    y = F.scaled_dot_product_attention(q, cache[0, :, :, : step + 1], cache[1, :, :, : step + 1])  # (N, h, 1, hs)
+    return torch.addmm(w.self_out[1], y.reshape(N, h * hs), w.self_out[0])
+
+
+def _cross_attention(w: LayerWeights, x: torch.Tensor, cross_kv: torch.Tensor, cross_mask: torch.Tensor
+                     ) -> torch.Tensor:
+    N, B, h, hs = x.shape[0], cross_kv.shape[1], w.n_heads, w.hs  # a sentence's N // B beams are its queries
     q = torch.addmm(w.cross_q[1], x, w.cross_q[0]).view(B, N // B, h, hs).transpose(1, 2)  # (B, h, beam, hs)
     y = F.scaled_dot_product_attention(q, cross_kv[0], cross_kv[1], attn_mask=cross_mask)
-    x = torch.layer_norm(add_into(torch.addmm(w.cross_out[1], y.transpose(1, 2).reshape(N, h * hs), w.cross_out[0]),
-                                  x), (d,), *w.norm2, eps)
-    y = torch.addmm(w.ffn2[1], torch.addmm(w.ffn1[1], x, w.ffn1[0]).relu_(), w.ffn2[0])
-    return torch.layer_norm(add_into(y, x), (d,), *w.norm3, eps)
+    return torch.addmm(w.cross_out[1], y.transpose(1, 2).reshape(N, h * hs), w.cross_out[0])
+
+
+def _ffn(w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    hidden = torch.addmm(w.ffn1[1], x, w.ffn1[0])
+    if w.ffn3 is None:
+        return torch.addmm(w.ffn2[1], hidden.relu_(), w.ffn2[0])
+    return torch.addmm(w.ffn2[1], F.silu(hidden) * torch.addmm(w.ffn3[1], x, w.ffn3[0]), w.ffn2[0])  # SwiGLU
+
+
+def _norm(w: LayerWeights, norm: tuple[torch.Tensor, torch.Tensor | None], x: torch.Tensor) -> torch.Tensor:
+    if w.rms_norm:
+        return F.rms_norm(x, (x.shape[-1],), norm[0], w.eps)
+    return torch.layer_norm(x, (x.shape[-1],), *norm, w.eps)
 
 
 def _gather_cache(self_kv: torch.Tensor, indices: torch.Tensor, t: int, out: torch.Tensor) -> None:
@@ -191,6 +227,8 @@ def decode_step(model: Any, prev_ids: torch.Tensor, state: DecoderState) -> torc
             x = layer(x, state.cross_kv[i], state.cross_mask, cache=cache, step=t)
     if not fused:
         x = x[:, 0]  # (N, d)
+    if model.decoder_norm is not None:  # pre-norm's final norm
+        x = model.decoder_norm(x)
     if shared and k > 1:  # beams 1..k-1 copy beam 0's slot 0
         kv0 = state.self_kv[:, :, :, :, :1]
         kv0.copy_(kv0[:, :, ::k].repeat_interleave(k, dim=2))

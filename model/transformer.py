@@ -1,5 +1,7 @@
 """Encoder-decoder Transformer (Vaswani et al., 2017, §3), top-down: positional encoding (§3.5),
 attention (§3.2), feed-forward (§3.3), encoder and decoder layers (§3.1), the model (§3.4).
+The rows after 2017 are options whose defaults are the paper's model (`ModelConfig`; docs/model.md):
+rotary positions (`positional`), pre-norm (`norm_position`), RMSNorm (`norm`), SwiGLU (`ffn`).
 Sequences: source = pieces + [eos] (no bos); decoder input = [bos] + pieces; decoder target =
 pieces + [eos]; right-padded with pad_id. Shapes: B sentences, N = B * beam rows while decoding,
 S source / T target length, M real (non-pad) positions, d = d_model, h = n_heads, d_k / d_v the
@@ -12,6 +14,7 @@ option), `incremental` (decoding one token at a time), `attention_weights` (what
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -33,6 +36,28 @@ def sinusoid_table(n_positions: int, d_model: int) -> torch.Tensor:
     table[:, 0::2] = torch.sin(pos * inv_freq)
     table[:, 1::2] = torch.cos(pos * inv_freq[: d_model // 2])
     return table.float()  # (P, d)
+
+
+class Rotary(nn.Module):
+    """Rotary positions (Su et al., 2021): each pair (x_2i, x_2i+1) of a head's query or key at
+    position m is rotated by the angle m * theta_i, theta_i = 10000^(-2i/d_k), so that q_m . k_n
+    depends on the offset m - n only. Pairs interleaved as in the paper (and as §3.5 interleaves
+    the sinusoids); the zero columns a head is padded with (`model.heads`) are rotated by angle 0."""
+
+    def __init__(self, d_k: int, hs: int, n_positions: int):
+        super().__init__()
+        inv_freq = 10000.0 ** (-torch.arange(0, d_k, 2, dtype=torch.float64) / d_k)  # (d_k/2,)
+        angles = F.pad(torch.arange(n_positions, dtype=torch.float64)[:, None] * inv_freq, (0, (hs - d_k) // 2))
+        # Not persistent: a function of the config, as the sinusoid table.
+        self.register_buffer("cos", angles.cos().float(), persistent=False)  # (P, hs/2)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """x (..., T, hs) at positions start..start+T-1 -> rotated, the same shape and dtype."""
+        T = x.shape[-2]
+        cos, sin = self.cos[start : start + T].to(x.dtype), self.sin[start : start + T].to(x.dtype)  # (T, hs/2)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
 def _init_linear(linear: nn.Linear, blocks: int | list[int] = 1) -> None:
@@ -57,6 +82,26 @@ def _add_dropped(x: torch.Tensor, y: torch.Tensor, dropout: nn.Dropout) -> torch
     return add_into(dropout(y) if dropout.training and dropout.p > 0 else y, x)
 
 
+def _residual(x: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor], norm: nn.Module,
+              dropout: nn.Dropout, pre_norm: bool) -> torch.Tensor:
+    """One sublayer with its residual connection (§3.1, §5.4). Post-norm (the paper):
+    Norm(x + Dropout(Sublayer(x))). Pre-norm (Xiong et al., 2020): x + Dropout(Sublayer(Norm(x))):
+    the residual path is never normalised, so gradients reach early layers unscaled and training
+    needs less warmup; the stack then ends with a norm of its own (`Transformer.encoder_norm`)."""
+    if pre_norm:
+        return _add_dropped(x, sublayer(norm(x)), dropout)
+    return norm(_add_dropped(x, sublayer(x), dropout))
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """LayerNorm (§3.1), or RMSNorm for cfg.norm = "rmsnorm" (Zhang & Sennrich, 2019):
+    g * x / sqrt(mean(x^2) + eps), no mean subtracted and no bias, for a cheaper norm that trains
+    as well. Both with eps 1e-5, our LayerNorm's (see `EncoderLayer`): CTranslate2 takes one eps for all."""
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=1e-5)
+    return nn.LayerNorm(cfg.d_model)
+
+
 class SelfAttention(nn.Module):
     """Multi-head self-attention (§3.2.2); Q, K, V come from one fused (d, 3d) projection.
 
@@ -65,13 +110,16 @@ class SelfAttention(nn.Module):
     have them; it adds 4 * d_model parameters per attention block.
     """
 
-    def __init__(self, d_model: int, n_heads: int, d_k: int | None = None, d_v: int | None = None):
+    def __init__(self, d_model: int, n_heads: int, d_k: int | None = None, d_v: int | None = None,
+                 rotary_positions: int = 0):
         super().__init__()
         self.n_heads = n_heads
         self.heads = Heads(d_model, n_heads, d_k, d_v)
         dk, dv = self.heads.d_k, self.heads.d_v
         self.qkv_proj = nn.Linear(d_model, n_heads * (2 * dk + dv))  # rows: [W_Q; W_K; W_V], all heads
         self.out_proj = nn.Linear(n_heads * dv, d_model)  # W_O
+        # Rotary positions (ModelConfig.positional = "rotary") rotate q and k at up to this many positions.
+        self.rotary = Rotary(dk, self.heads.hs, rotary_positions) if rotary_positions else None
 
     def reset_parameters(self) -> None:
         h, dk, dv = self.n_heads, self.heads.d_k, self.heads.d_v
@@ -87,15 +135,20 @@ class SelfAttention(nn.Module):
         qkv = self.qkv_proj(x) if at is None else at.unpack(self.qkv_proj(x))  # (B, T, 3hs'), 0 at pads
         qkv = hd.split(qkv, (hd.d_k, hd.d_k, hd.d_v))
         q, k, v = qkv  # each (B, h, T, hs)
+        if self.rotary is not None:  # Su et al. (2021): q and k rotated by their positions (step.. with a cache)
+            q, k = self.rotary(q, step), self.rotary(k, step)
         if cache is not None:
-            cache[:, :, :, step : step + 1] = qkv[1:]  # (2, B, h, 1, hs)
+            cache[0, :, :, step : step + 1], cache[1, :, :, step : step + 1] = k, v  # (B, h, 1, hs) each
             k, v = cache[0, :, :, : step + 1], cache[1, :, :, : step + 1]  # (B, h, step+1, hs)
         y = hd.merge(_attend(q, k, v, attn_mask, is_causal, hd.scale))  # (B, T, h * d_v)
         return self.out_proj(y if at is None else at.pack(y))
 
 
 class CrossAttention(nn.Module):
-    """Encoder-decoder attention (§3.2.3): queries from the decoder, keys/values from memory."""
+    """Encoder-decoder attention (§3.2.3): queries from the decoder, keys/values from memory.
+    No rotary positions here: a target and a source position index different sequences, so their
+    offset means nothing (Su et al. rotate in self-attention only, as CTranslate2's spec does);
+    both sides' order reaches it through their self-attention layers."""
 
     def __init__(self, d_model: int, n_heads: int, d_k: int | None = None, d_v: int | None = None):
         super().__init__()
@@ -135,23 +188,37 @@ class CrossAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2 (§3.3)."""
+    """FFN(x) = max(0, x W1 + b1) W2 + b2 (§3.3). Gated, ModelConfig.ffn = "swiglu" (Shazeer, 2020):
+    FFN(x) = (silu(x W1 + b1) * (x W3 + b3)) W2 + b2, d_ff the width of W1 and W3.
 
-    def __init__(self, d_model: int, d_ff: int):
+    Deviation (from Shazeer, who drops the biases): W3 has a bias as W1 and W2 do (§3.3), because
+    the option then swaps the activation only."""
+
+    def __init__(self, d_model: int, d_ff: int, gated: bool = False):
         super().__init__()
         self.w1 = nn.Linear(d_model, d_ff)
         self.w2 = nn.Linear(d_ff, d_model)
+        self.w3 = nn.Linear(d_model, d_ff) if gated else None  # SwiGLU's linear (ungated) half
 
     def reset_parameters(self) -> None:
-        _init_linear(self.w1)
-        _init_linear(self.w2)
+        for w in (self.w1, self.w2, self.w3):
+            if w is not None:
+                _init_linear(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is not None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(F.relu(self.w1(x), inplace=True))
 
 
+def _self_attention(cfg: ModelConfig) -> SelfAttention:
+    return SelfAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v,
+                         rotary_positions=cfg.max_positions if cfg.positional == "rotary" else 0)
+
+
 class EncoderLayer(nn.Module):
-    """Post-norm block (§3.1): x = LayerNorm(x + Dropout(Sublayer(x))) (§5.4).
+    """Self-attention and FFN, each a post-norm sublayer (§3.1) x = LayerNorm(x + Dropout(Sublayer(x)))
+    (§5.4), or a pre-norm one (`_residual`).
 
     Deviation: LayerNorm eps is PyTorch's 1e-5 (tensor2tensor: 1e-6; the paper gives none)
     because it matches the torch.nn reference layers the tests compare against.
@@ -159,38 +226,42 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, cpu_kernels: bool = True):
         super().__init__()
-        self.self_attn = SelfAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v)
-        self.norm1 = nn.LayerNorm(cfg.d_model)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
-        self.norm2 = nn.LayerNorm(cfg.d_model)
+        self.self_attn = _self_attention(cfg)
+        self.norm1 = make_norm(cfg)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, gated=cfg.ffn == "swiglu")
+        self.norm2 = make_norm(cfg)
         self.dropout = Dropout(cfg.dropout, cpu_kernels)
+        self.pre_norm = cfg.norm_position == "pre"
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None,
                 at: Positions | None = None) -> torch.Tensor:  # (B, S, d), or (M, d) at real positions
-        x = self.norm1(_add_dropped(x, self.self_attn(x, attn_mask, at=at), self.dropout))
-        return self.norm2(_add_dropped(x, self.ffn(x), self.dropout))
+        x = _residual(x, lambda y: self.self_attn(y, attn_mask, at=at), self.norm1, self.dropout, self.pre_norm)
+        return _residual(x, self.ffn, self.norm2, self.dropout, self.pre_norm)
 
 
 class DecoderLayer(nn.Module):
-    """Post-norm block with masked self-attention, cross-attention and FFN (§3.1)."""
+    """Masked self-attention, cross-attention and FFN, each a post-norm (§3.1) or pre-norm sublayer."""
 
     def __init__(self, cfg: ModelConfig, cpu_kernels: bool = True):
         super().__init__()
-        self.self_attn = SelfAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v)
-        self.norm1 = nn.LayerNorm(cfg.d_model)
+        self.self_attn = _self_attention(cfg)
+        self.norm1 = make_norm(cfg)
         self.cross_attn = CrossAttention(cfg.d_model, cfg.n_heads, cfg.d_k, cfg.d_v)
-        self.norm2 = nn.LayerNorm(cfg.d_model)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
-        self.norm3 = nn.LayerNorm(cfg.d_model)
+        self.norm2 = make_norm(cfg)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, gated=cfg.ffn == "swiglu")
+        self.norm3 = make_norm(cfg)
         self.dropout = Dropout(cfg.dropout, cpu_kernels)
+        self.pre_norm = cfg.norm_position == "pre"
 
     def forward(self, x: torch.Tensor, cross_kv: torch.Tensor, cross_mask: torch.Tensor,
                 self_mask: torch.Tensor | None = None, is_causal: bool = False,
                 cache: torch.Tensor | None = None, step: int = 0,
                 at: Positions | None = None) -> torch.Tensor:  # (N, T, d), or (M, d) at real positions
-        x = self.norm1(_add_dropped(x, self.self_attn(x, self_mask, is_causal, cache, step, at), self.dropout))
-        x = self.norm2(_add_dropped(x, self.cross_attn(x, cross_kv, cross_mask, at), self.dropout))
-        return self.norm3(_add_dropped(x, self.ffn(x), self.dropout))
+        x = _residual(x, lambda y: self.self_attn(y, self_mask, is_causal, cache, step, at), self.norm1,
+                      self.dropout, self.pre_norm)
+        x = _residual(x, lambda y: self.cross_attn(y, cross_kv, cross_mask, at), self.norm2, self.dropout,
+                      self.pre_norm)
+        return _residual(x, self.ffn, self.norm3, self.dropout, self.pre_norm)
 
 
 class Transformer(nn.Module):
@@ -211,10 +282,16 @@ class Transformer(nn.Module):
         # Not persistent: it is a pure function of the config, so checkpoints need not carry it.
         self.register_buffer("pos_table", sinusoid_table(cfg.max_positions, d), persistent=False)
         # Table 3 row E: learned positional embeddings (Gehring et al., §3.5); the sinusoids then unused.
+        # Rotary positions (Su et al., 2021) add nothing here: self-attention rotates q and k instead.
         self.pos_embed = nn.Embedding(cfg.max_positions, d) if cfg.positional == "learned" else None
         self.dropout = Dropout(cfg.dropout, cpu_kernels)  # §5.4: on the sums of embeddings and positions
         self.encoder_layers = nn.ModuleList(EncoderLayer(cfg, cpu_kernels) for _ in range(cfg.n_encoder_layers))
         self.decoder_layers = nn.ModuleList(DecoderLayer(cfg, cpu_kernels) for _ in range(cfg.n_decoder_layers))
+        # Pre-norm sublayers leave the residual stream unnormalised: a norm closes each stack (Xiong
+        # et al., 2020; fairseq's normalize_before, CTranslate2's pre_norm spec).
+        pre_norm = cfg.norm_position == "pre"
+        self.encoder_norm = make_norm(cfg) if pre_norm else None
+        self.decoder_norm = make_norm(cfg) if pre_norm else None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -225,7 +302,7 @@ class Transformer(nn.Module):
         Embeddings (and an untied output projection): normal(0, d_model^-0.5) as fairseq does, so
         that embedding * sqrt(d_model) has unit scale; the pad row starts at 0 (fairseq)."""
         for module in self.modules():
-            if isinstance(module, (SelfAttention, CrossAttention, FeedForward, nn.LayerNorm)):
+            if isinstance(module, (SelfAttention, CrossAttention, FeedForward, nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()
         for weight in {id(p): p for p in (self.src_embed.weight, self.tgt_embed.weight,
                                           self.output_proj.weight)}.values():
@@ -239,8 +316,10 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def position_table(self) -> torch.Tensor:
-        """(max_positions, d): what `embed` adds at each position: the sinusoids (§3.5), or the
-        learned table (Table 3 row E) when ModelConfig.positional = "learned"."""
+        """(max_positions, d): what `embed` adds at each position: the sinusoids (§3.5), the
+        learned table (Table 3 row E) when ModelConfig.positional = "learned", zeros for "rotary"."""
+        if self.cfg.positional == "rotary":
+            return torch.zeros_like(self.pos_table)
         return self.pos_table if self.pos_embed is None else self.pos_embed.weight
 
     def embed(self, embedding: nn.Embedding, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -248,7 +327,9 @@ class Transformer(nn.Module):
         T = ids.shape[1]
         if offset + T > self.cfg.max_positions:
             raise ValueError(f"position {offset + T - 1} >= ModelConfig.max_positions={self.cfg.max_positions}")
-        x = embedding(ids).mul_(self.emb_scale).add_(self.position_table()[offset : offset + T])  # (B, T, d)
+        x = embedding(ids).mul_(self.emb_scale)  # (B, T, d)
+        if self.cfg.positional != "rotary":  # rotary positions act inside self-attention instead
+            x.add_(self.position_table()[offset : offset + T])
         return self.dropout(x) if self.training else x
 
     def _encode(self, src_ids: torch.Tensor, src_index: torch.Tensor | None = None
@@ -260,6 +341,8 @@ class Transformer(nn.Module):
         x = at.pack(self.embed(self.src_embed, src_ids))  # (Ms, d)
         for layer in self.encoder_layers:
             x = layer(x, attn_mask, at)
+        if self.encoder_norm is not None:  # pre-norm's final norm
+            x = self.encoder_norm(x)
         return x, at, src_pad_mask
 
     def encode(self, src_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,6 +369,8 @@ class Transformer(nn.Module):
             x = at.pack(x)  # (M, d)
         for layer in self.decoder_layers:
             x = layer(x, layer.cross_attn.project_kv(memory, memory_at), cross_mask, is_causal=True, at=at)
+        if self.decoder_norm is not None:  # pre-norm's final norm
+            x = self.decoder_norm(x)
         return x  # (B, T, d), or (M, d) at the real target positions `at`
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

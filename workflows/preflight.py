@@ -19,8 +19,11 @@ log = logging.getLogger(__name__)
 
 def preflight(cfg: Config, write: bool = True, check_tracking: bool = True) -> None:
     """Clear errors before any GPU time: the work dir (and Ray Train's storage path) can be
-    written (with ``write=False``, read: enough for ``--plan``), tracking answers."""
+    written (with ``write=False``, read: enough for ``--plan``), tracking answers, translate's
+    engine holds the model."""
     from pipeline import tracking
+
+    check_decoding_engine(cfg)
 
     for key in ("work_dir", "storage_path"):
         uri = getattr(cfg.run, key)
@@ -37,6 +40,21 @@ def preflight(cfg: Config, write: bool = True, check_tracking: bool = True) -> N
             log.warning("tracking: the work dir is on an object store but MLflow writes to %s on this "
                         "machine only; set tracking.uri or MLFLOW_TRACKING_URI to a server to keep the runs",
                         uri)
+
+
+def check_decoding_engine(cfg: Config) -> None:
+    """eval.backend = "ctranslate2" decodes with the export stage's CTranslate2 model, which a model
+    neither export route holds never gets (`conversion.ct2_unexportable`): refused now, not after
+    training. Dev BLEU needs no check: it decodes such a model with our beam search (and says so)."""
+    if cfg.eval.backend != "ctranslate2":
+        return
+    from model import ModelConfig
+    from pipeline.decoding.conversion import ct2_unexportable
+
+    why = ct2_unexportable(ModelConfig.of(cfg.model, cfg.vocab.size))
+    if why:
+        raise ConfigError(f"eval.backend = 'ctranslate2': the export stage gives this [model] no CTranslate2 "
+                          f"model ({why}); use eval.backend = 'torch'")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,11 @@ without those two Marian assumptions.
 ``export_all`` writes under a folder: ``hf/`` (config.json, generation_config.json,
 model.safetensors, MarianTokenizer's source.spm, target.spm, vocab.json, tokenizer_config.json),
 ``ct2-float32/`` and ``ct2-int8/`` (model.bin, config.json, shared_vocabulary.json).
+
+The options after 2017 (pre-norm, RMSNorm, SwiGLU, rotary positions) are not Marian's blocks:
+``unexportable`` names the one a model sets, and its CTranslate2 models are built from our weights
+instead (``ct2_spec``, ``export_ct2_spec``), with no ``hf/``. ``ct2_unexportable`` says whether
+either route holds a model.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch
 
 from model import ModelConfig
 from pipeline.config import Quantization
+from pipeline.decoding import ct2_spec
 
 log = logging.getLogger(__name__)
 
@@ -92,15 +98,30 @@ def _ffn(prefix: str, state: dict[str, torch.Tensor], ours: str, perm: torch.Ten
 
 
 def unexportable(cfg: ModelConfig) -> str | None:
-    """Why Marian (and so CTranslate2's converter) cannot hold this model exactly; None if it can."""
+    """Why Marian cannot hold this model exactly; None if it can (the paper's model)."""
     head = cfg.d_model // cfg.n_heads
     if cfg.head_dims != (head, head):
         return f"d_k/d_v = {cfg.head_dims} differ from d_model/h = {head} (Table 3 rows A/B): Marian has no such heads"
-    if cfg.positional != "sinusoid":
+    if cfg.positional == "learned":
         return "learned positional embeddings (Table 3 row E): Marian's positions are sinusoids only"
     if not cfg.tie_embeddings:
         return "untied embeddings: Marian shares one matrix (§3.4, our default)"
+    later = ct2_spec.options_set(cfg)
+    if later:
+        return (f"{', '.join(later)}: Marian's blocks are post-norm LayerNorm with a ReLU FFN and added "
+                "sinusoids only")
     return None
+
+
+def ct2_unexportable(cfg: ModelConfig) -> str | None:
+    """Why no CTranslate2 model of this one is exported; None if one is: through Marian (the paper's
+    model) or, for a model with an option after 2017, from a spec of our weights (`ct2_spec`). A
+    model without such an option that Marian cannot hold (Table 3 rows A, B, E, untied embeddings)
+    keeps its refusal, so those runs decode dev BLEU with our beam search as they always have."""
+    marian = unexportable(cfg)
+    if marian is None or not ct2_spec.options_set(cfg):
+        return marian
+    return ct2_spec.unholdable(cfg)
 
 
 def to_marian_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -195,6 +216,17 @@ def export_ct2(hf_folder: Path, out: Path, quantization: str) -> None:
     _ct2_converter(hf_folder).convert(str(out), quantization=quantization, force=True)
 
 
+def export_ct2_spec(state: dict[str, torch.Tensor], cfg: ModelConfig, spm_path: str, out: Path,
+                    quantization: str) -> None:
+    """A CTranslate2 model of a model Marian cannot hold, from a spec of our weights (`ct2_spec`);
+    its vocabulary is our SentencePiece model's pieces in id order, as the Marian folder's."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=spm_path)
+    tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    ct2_spec.export(state, cfg, tokens, sp.id_to_piece(sp.unk_id()), out, quantization)
+
+
 def _ct2_converter(hf_folder: Path) -> Any:
     """A ``ctranslate2.converters.Converter`` whose spec CTranslate2's BART loader fills from our
     Marian folder (same modules; see the module doc for why not its Marian loader)."""
@@ -226,12 +258,18 @@ def _ct2_converter(hf_folder: Path) -> Any:
 
 
 def export_all(model_path: str, model_config: dict[str, Any], spm_path: str, out_dir: Path) -> dict[str, str]:
-    """The HF folder and one CTranslate2 model per quantization under ``out_dir``; their paths."""
+    """The HF folder (where Marian holds the model) and one CTranslate2 model per quantization under
+    ``out_dir``; their paths."""
     cfg = ModelConfig.from_dict(model_config)
     state = torch.load(model_path, weights_only=True, map_location="cpu")
-    paths = {"hf": out_dir / "hf"}
-    export_hf(state, cfg, spm_path, paths["hf"])
+    paths = {}
+    if unexportable(cfg) is None:  # the paper's model: the Marian folder, and CTranslate2 from it
+        paths["hf"] = out_dir / "hf"
+        export_hf(state, cfg, spm_path, paths["hf"])
     for q in CT2_QUANTIZATIONS:
         paths[f"ct2_{q}"] = out_dir / f"ct2-{q}"
-        export_ct2(paths["hf"], paths[f"ct2_{q}"], q)
+        if "hf" in paths:
+            export_ct2(paths["hf"], paths[f"ct2_{q}"], q)
+        else:  # an option after 2017
+            export_ct2_spec(state, cfg, spm_path, paths[f"ct2_{q}"], q)
     return {k: str(v) for k, v in paths.items()}

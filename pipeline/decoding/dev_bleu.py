@@ -4,8 +4,10 @@ What one validation does: the dev split (newstest2013 for WMT14, the custom dev 
 ``eval.dev_bleu_sentences`` caps it) decoded with CTranslate2 (the checkpoint converted here with
 ``pipeline.decoding.conversion``, ``eval.dev_bleu_quantization``), greedy or beam
 (``eval.dev_bleu_beam_size``, 0 = ``eval.beam_size``; alpha and max length from ``eval``), then
-sacreBLEU, chrF and the paper's tokenized BLEU (``scoring.score_split``). A Table 3 variant that
-Marian cannot hold (``conversion.unexportable``) is decoded with our beam search instead, and says so.
+sacreBLEU, chrF and the paper's tokenized BLEU (``scoring.score_split``). A model with an option
+after 2017 (pre-norm, RMSNorm, SwiGLU, rotary) is converted from a spec of its weights
+(``conversion.export_ct2_spec``); one that neither route holds (``conversion.ct2_unexportable``:
+Table 3 rows A, B, E) is decoded with our beam search instead, and says so.
 
 Who calls it: the train stage's Ray Train validation task (``pipeline/train/dev_bleu_task.py``,
 each registered checkpoint while training runs) and ``average`` (a kept checkpoint without a
@@ -95,7 +97,7 @@ def score_checkpoint(folder: str, dev_dir: str, spm: str, settings: DevBleuSetti
 def _engine(folder: str, model_config: dict[str, Any], spm: str, settings: DevBleuSettings,
             tmp: Path) -> tuple[str, str]:
     """("ctranslate2-int8", its folder) converted here with the export code, or ("torch", "") when
-    asked for or when Marian cannot hold the model (logged)."""
+    asked for or when CTranslate2 is not given the model (logged)."""
     if settings.engine == "torch":
         return "torch", ""
     import torch
@@ -104,16 +106,19 @@ def _engine(folder: str, model_config: dict[str, Any], spm: str, settings: DevBl
     transformers.utils.logging.disable_progress_bar()  # no "Writing model shards" bars per checkpoint
 
     from model import ModelConfig
-    from pipeline.decoding.conversion import export_ct2, export_hf, unexportable
+    from pipeline.decoding.conversion import ct2_unexportable, export_ct2, export_ct2_spec, export_hf, unexportable
 
     mc = ModelConfig.from_dict(model_config)
-    why = unexportable(mc)
+    why = ct2_unexportable(mc)
     if why:
         log.warning("dev BLEU: CTranslate2 cannot hold this model (%s): decoding with our beam search", why)
         return "torch", ""
     state = torch.load(Path(folder) / "model.pt", weights_only=True, map_location="cpu")
-    export_hf(state, mc, spm, tmp / "hf")
-    export_ct2(tmp / "hf", tmp / "ct2", settings.quantization)
+    if unexportable(mc) is None:  # the paper's model: through the Marian folder, as `export` does
+        export_hf(state, mc, spm, tmp / "hf")
+        export_ct2(tmp / "hf", tmp / "ct2", settings.quantization)
+    else:  # an option after 2017
+        export_ct2_spec(state, mc, spm, tmp / "ct2", settings.quantization)
     return f"ctranslate2-{settings.quantization}", str(tmp / "ct2")
 
 

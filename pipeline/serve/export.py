@@ -5,8 +5,10 @@ is the shared library's ``pipeline/decoding/conversion.py``; this stage runs it 
 model. Writes under the stage dir: ``hf/`` (config.json, generation_config.json, model.safetensors,
 MarianTokenizer's source.spm, target.spm, vocab.json, tokenizer_config.json), ``ct2-float32/``
 and ``ct2-int8/`` (model.bin, config.json, shared_vocabulary.json). All three are logged as
-artifacts of the stage's MLflow run. A model Marian cannot hold (``unexportable``) is not exported,
-and the manifest says why.
+artifacts of the stage's MLflow run. A model with an option after 2017 (pre-norm, RMSNorm, SwiGLU,
+rotary) gets its CTranslate2 models only, built from its weights: the manifest's ``hf_not_exported``
+says why Marian cannot hold it (``unexportable``). A model CTranslate2 is not given
+(``ct2_unexportable``: Table 3 rows A, B, E) is not exported, and the manifest says why.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from model import ModelConfig
 from pipeline import storage
-from pipeline.decoding.conversion import export_all, unexportable
+from pipeline.decoding.conversion import ct2_unexportable, export_all, unexportable
 from pipeline.stage import StageContext, StageResult
 
 log = logging.getLogger(__name__)
@@ -26,7 +28,8 @@ log = logging.getLogger(__name__)
 
 def run(ctx: StageContext) -> StageResult:
     avg, vocab = ctx.inputs["average"].outputs, ctx.inputs["vocab"].outputs
-    reason = unexportable(ModelConfig.from_dict(avg["model_config"]))
+    mc = ModelConfig.from_dict(avg["model_config"])
+    reason = ct2_unexportable(mc)
     if reason is not None:
         # Not an error: translate (torch backend) and score still run on such a variant; the
         # manifest says why nothing was written, and the CTranslate2 backend refuses it by name.
@@ -38,6 +41,9 @@ def run(ctx: StageContext) -> StageResult:
         spm_path = str(storage.local_copy(vocab["model"]))
         local = export_all(model_path, avg["model_config"], spm_path, Path(tmp) / "export")
         outputs: dict[str, Any] = {"model_config": avg["model_config"], "averaged": avg.get("averaged", [])}
+        if "hf" not in local:  # register's pyfunc needs the Marian folder: it says why there is none
+            outputs["hf_not_exported"] = unexportable(mc)
+            log.warning("export: CTranslate2 models only, no Hugging Face folder: %s", outputs["hf_not_exported"])
         num_bytes = 0
         for name, folder in local.items():
             dest = storage.absolute(storage.join(ctx.out_dir, Path(folder).name))

@@ -88,6 +88,10 @@ def run(ctx: StageContext) -> StageResult:
     if "not_exported" in export.outputs:
         log.warning("register: not registered: %s", export.outputs["not_exported"])
         return StageResult(outputs={"registered": False, "reason": export.outputs["not_exported"]})
+    if "hf" not in export.outputs:  # the pyfunc wraps the Marian folder
+        reason = f"no Hugging Face folder ({export.outputs.get('hf_not_exported', 'not exported')})"
+        log.warning("register: not registered: %s", reason)
+        return StageResult(outputs={"registered": False, "reason": reason})
     name = model_name(ctx.cfg)
     identity = {"train_key": avg.extra.get("upstream_keys", {}).get("train", ""), "average_key": avg.key,
                 "export_key": export.key, "export_finished": export.extra.get("finished", "")}

@@ -106,7 +106,9 @@ def test_head_widths_default_to_d_model_over_h_and_are_validated():
     with pytest.raises(ValueError, match="d_k must be positive"):
         ModelConfig.base(100, d_k=0)
     with pytest.raises(ValueError, match="positional"):
-        ModelConfig.base(100, positional="rotary")
+        ModelConfig.base(100, positional="relative")
+    with pytest.raises(ValueError, match="positional = 'rotary' rotates pairs"):
+        ModelConfig.base(100, positional="rotary", d_k=15)
     with pytest.raises(TypeError, match="d_v"):
         ModelConfig.base(100, d_v=2.5)
 
