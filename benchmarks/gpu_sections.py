@@ -186,9 +186,9 @@ def ddp_section(pr: Any, trainer: Trainer, plain_tps: float) -> tuple[dict, str]
                     torch.cuda.synchronize()
                 windows.append(Window())
             batch = host(group)
-            loss, nll, lr, norm = trainer._train_step(ddp, trainer._on_device(ddp, batch), batch.tgt_tokens)
-            (windows[-1] if windows else Window()).add(loss, nll, src_tokens=batch.src_tokens,
-                                                       tgt_tokens=batch.tgt_tokens, lr=lr, grad_norm=norm)
+            r = trainer._train_step(ddp, trainer._on_device(ddp, batch), batch, time.perf_counter())
+            (windows[-1] if windows else Window()).add(r.loss, r.nll, src_tokens=r.src_tokens,
+                                                       tgt_tokens=r.tgt_tokens, lr=r.lr, grad_norm=r.grad_norm)
         loss = float(windows[-1].loss) / windows[-1].tokens_tgt
         if pr.device.startswith("cuda"):
             torch.cuda.synchronize()

@@ -2,8 +2,9 @@
 
 The worker (inside each Ray Train worker, or in-process for tests): loop (the Trainer) and its
 parts: device (precision, attention kernel, compile), feeder (host batches, prefetch, upload), step,
-metrics, dev_loss, checkpoint (the cadence and the checkpoint folder), early_stop, session, upload,
-preemption; token_batches (a micro-batch's padded arrays) and corpus (shard loading).
+metrics, dev_loss, agreement (what the ranks share after a step), actions (what it decides),
+checkpoint (the cadence and the checkpoint folder), early_stop, session, upload, preemption;
+token_batches (a micro-batch's padded arrays) and corpus (shard loading).
 The driver (the DAG's `train` entry): driver (checks, the TorchTrainer, the stage's outputs), elastic
 (the worker range), resume (where an interrupted run stands, for --plan), dev_bleu_validation and
 dev_bleu_task (dev BLEU per checkpoint as Ray Train's validation: its wiring, the task).

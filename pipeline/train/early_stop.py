@@ -114,7 +114,8 @@ class DevBleuRecords:
 class EarlyStopDecision:
     """The training loop's early-stop decision (`pipeline.train.loop.Trainer`): the `EarlyStop` rule
     over its metric's values, rebuilt at a resume (`resume`); rank 0's dev BLEU wish before a step's
-    agreement (`wish`), and the decision after it (`decide`), the same on every rank."""
+    agreement (`wish`), and the decision after it (`decide`), the same on every rank; `announce`
+    and `metrics` when the loop records the stop."""
 
     def __init__(self, tc: TrainConfig, dev_bleu_dir: str, rank: int):
         self.tc, self.rank = tc, rank
@@ -168,11 +169,11 @@ class EarlyStopDecision:
         else:
             stop = e.observe(step, val_loss)
             stop, self._stop_pending = stop or self._stop_pending, False
-        if not stop:
-            return None
-        if self.rank == 0:
-            log.warning("early stop at step %d of %d: %s", step, self.tc.max_steps, e.describe())
-        return e.record(step, self.tc.max_steps)
+        return e.record(step, self.tc.max_steps) if stop else None
+
+    def announce(self, step: int) -> None:
+        """The warning of a stop at `step` (rank 0 logs it, when the loop records the stop)."""
+        log.warning("early stop at step %d of %d: %s", step, self.tc.max_steps, self.early.describe())
 
     def metrics(self, step: int) -> dict[str, float]:
         """What a stop logs."""

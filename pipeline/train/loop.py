@@ -5,8 +5,11 @@ for tests and benchmarks (`LocalSession`); it imports neither Ray nor MLflow.
 
 One optimizer step = one step group of ~`train.tokens_per_step` target tokens
 (`pipeline.plan.step_groups`), cut into `world_size * accum` micro-batches; every worker computes
-the same global plan and takes its share. The `Trainer` is the loop; each of its parts is a unit
-of its own:
+the same global plan and takes its share. The `Trainer` holds the worker's model, optimizer and
+data and runs the loop: each step returns what it did (`StepResult`), which is counted in the
+loop's one state (`LoopState`: the `Progress`, the window since the last log line, the attempt's
+start); the step's agreement then decides, in one pure function (`pipeline.train.actions.decide`),
+the actions the loop carries out in order (`carry_out`). Each of its parts is a unit of its own:
 
     pipeline.train.device      how the worker runs on its device (WorkerDevice): precision and
                                autocast, the loss settings, torch.compile, the attention kernel
@@ -15,6 +18,9 @@ of its own:
     pipeline.train.step        one step on the device: accumulation, loss normalization, Adam
     pipeline.train.metrics     the window since the last log line, the progress line, MLflow
     pipeline.train.dev_loss    dev loss and perplexity (DevLoss)
+    pipeline.train.agreement   what the ranks share after a step, in one collective (StepAgreement)
+    pipeline.train.actions     what a step's agreement decides: log, dev loss, early stop, stop for
+                               a preemption notice, checkpoint (decide, Action)
     pipeline.train.checkpoint  which steps log, validate, checkpoint (Cadence); the checkpoint
                                folder, restored, written and reported (Checkpointer)
     pipeline.train.early_stop  the EarlyStop rule (train.early_stop_patience) and the loop's
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +45,7 @@ from pipeline.config.devices import on_for
 from pipeline.plan.shapes import ShapeBuckets
 from pipeline.tracking import spool_dir_for  # imports no MLflow (it loads lazily)
 from pipeline.train import elastic, preemption
+from pipeline.train.actions import Action, decide
 from pipeline.train.agreement import Agreed, Local, StepAgreement
 from pipeline.train.checkpoint import Cadence, Checkpointer, Progress
 from pipeline.train.corpus import load_corpus, load_shared_corpus
@@ -69,6 +76,44 @@ class LoopSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did (its sums stay on the device: reading them would sync)."""
+
+    loss: torch.Tensor  # () this worker's label-smoothed loss sum over the step's target tokens
+    nll: torch.Tensor  # () its nll sum
+    lr: float  # the rate the step used
+    grad_norm: float | None  # the gradient norm, on log steps only
+    src_tokens: int  # the step's non-pad source tokens (all workers)
+    tgt_tokens: int  # its target tokens (all workers)
+    started: float  # time.perf_counter() when the step began
+
+
+@dataclass
+class LoopState:
+    """The loop's mutable state: where training stands, and what this attempt has run since its start."""
+
+    progress: Progress = field(default_factory=Progress)  # saved in every checkpoint
+    window: Window = field(default_factory=Window)  # the steps since the last log line
+    start_step: int = 0  # the step this attempt resumed from
+    time_base_s: float = 0.0  # progress.train_time_s when this attempt's loop began
+    attempt_start: float = 0.0  # time.perf_counter() then
+
+    def begin(self) -> None:
+        """An attempt's loop begins: a new window, the attempt's clock started."""
+        self.window, self.attempt_start = Window(), time.perf_counter()
+        self.time_base_s = self.progress.train_time_s
+
+    def advance(self, r: StepResult) -> None:
+        """Count the step `r` in the window and the progress."""
+        p = self.progress
+        self.window.add(r.loss, r.nll, src_tokens=r.src_tokens, tgt_tokens=r.tgt_tokens, lr=r.lr,
+                        grad_norm=r.grad_norm)
+        p.tokens_src, p.tokens_tgt = p.tokens_src + r.src_tokens, p.tokens_tgt + r.tgt_tokens
+        p.step, p.step_in_epoch = p.step + 1, p.step_in_epoch + 1
+        p.train_time_s = self.time_base_s + time.perf_counter() - self.attempt_start
 
 
 class Trainer:
@@ -102,7 +147,7 @@ class Trainer:
         # This worker's host batches; it counts the shapes it made.
         self.batcher = HostBatcher(self.train_data, self.mcfg, self.rank, self.world, speed.max_tokens_per_batch,
                                    self.device, self.device_setup.row_multiple, buckets)
-        self.progress = Progress()
+        self.state = LoopState()
         self.cadence = Cadence(tc.max_steps, self.cfg.metrics, self.cfg.checkpoint, validates=self.dev_loss is not None)
         state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
                  "scaler": self.loss_settings.scaler}
@@ -110,33 +155,38 @@ class Trainer:
         self.checkpoints = Checkpointer(session, self.rank, self.device, self.cfg.checkpoint, state, tc.max_steps,
                                         spec.model_config, extra)
         self.early_stop = EarlyStopDecision.for_loop(tc, self.dev_loss is not None, spec.dev_bleu_dir, self.rank)
-        self.start_step = 0  # the step this attempt resumed from
-        self.metrics = TrainLog(self.progress, tc.max_steps, self.rank, spec.tracking_uri, spec.run_id,
+        self.metrics = TrainLog(self.state.progress, tc.max_steps, self.rank, spec.tracking_uri, spec.run_id,
                                 self.cfg.tracking.buffer_s, spool_dir_for(self.cfg))
+
+    @property
+    def progress(self) -> Progress:
+        """Where training stands (read by tests and benchmarks while `run` trains)."""
+        return self.state.progress
 
     def restore(self) -> None:
         progress = self.checkpoints.restore()
         if progress is None:
             return
-        self.progress = self.metrics.progress = progress
+        self.state.progress = self.metrics.progress = progress
         if self.early_stop is not None:  # continue the count from what was logged up to here
-            self.early_stop.resume(self.progress)
+            self.early_stop.resume(progress)
 
     def run(self) -> dict[str, Any]:
         self.restore()
-        self.start_step = self.progress.step
+        s = self.state
+        s.start_step = s.progress.step
         self.cadence.checkpointed()  # the checkpoint clock starts with the loop
         model = distributed(self.forward_model, self.device, self.world, self.speed.grad_compression)
-        p = self.progress
         log_start(self)
-        window, t_attempt, time_base = Window(), time.perf_counter(), p.train_time_s
+        s.begin()
         feeder = Feeder(self.batcher, prefetch=self.speed.prefetch)
         agreement = StepAgreement(self.world)
         grace_s = self.cfg.workers.preemption_grace_s
         notice = preemption.Notice(grace_s, self.rank) if grace_s else None
         try:
-            while p.step < self.tc.max_steps and not p.early_stop:
-                t_step = time.perf_counter()
+            while s.progress.step < self.tc.max_steps and not s.progress.early_stop:
+                started = time.perf_counter()
+                p = s.progress
                 group, nxt = self.plan.at(p.epoch, p.step_in_epoch)
                 if group is None:  # the epoch is over
                     p.epoch, p.step_in_epoch = p.epoch + 1, 0
@@ -145,14 +195,12 @@ class Trainer:
                 host = feeder.take(group)
                 micro = self._on_device(model, host)
                 feeder.ahead(nxt)  # the next step's batches, built while this step's kernels run
-                loss, nll, lr, norm = self._train_step(model, micro, host.tgt_tokens)
-                window.add(loss, nll, src_tokens=host.src_tokens, tgt_tokens=host.tgt_tokens, lr=lr, grad_norm=norm)
-                p.tokens_src, p.tokens_tgt = p.tokens_src + host.src_tokens, p.tokens_tgt + host.tgt_tokens
-                p.step, p.step_in_epoch = p.step + 1, p.step_in_epoch + 1
-                p.train_time_s = time_base + time.perf_counter() - t_attempt
+                s.advance(self._train_step(model, micro, host, started))
                 # The step's one collective: what the ranks must share, then what it decides.
-                local = local_side(self, model, window, notice, t_step)
-                window = self._act(agreement.exchange(local, blocking=self.cadence.syncs(p.step)), window, notice)
+                agreed = agreement.exchange(local_side(self, model, notice, started),
+                                            blocking=self.cadence.syncs(p.step))
+                stop = self._early_stop_record(agreed)
+                carry_out(self, decide(agreed, p.step, self.cadence, stop is not None), agreed, stop, notice)
         finally:
             feeder.close()
             agreement.close()
@@ -164,72 +212,80 @@ class Trainer:
     def _on_device(self, model: torch.nn.Module, host: StepBatch) -> list[MicroBatch]:
         """The step's micro-batches uploaded, its dropout seed set, the model in training mode."""
         micro = [upload(mb, self.device) for mb in host.micro_batches]
-        torch.manual_seed(step_seed(self.tc.seed, self.rank, self.progress.step + 1))
+        torch.manual_seed(step_seed(self.tc.seed, self.rank, self.state.progress.step + 1))
         model.train()
         return micro
 
-    def _train_step(self, model: torch.nn.Module, micro: list[MicroBatch], tgt_tokens: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, float, float | None]:
-        """One optimizer step: (loss sum, nll sum, the lr it used, the gradient norm on log steps)."""
+    def _train_step(self, model: torch.nn.Module, micro: list[MicroBatch], host: StepBatch, started: float
+                    ) -> StepResult:
+        """One optimizer step on the uploaded `micro` batches of `host`: what it did."""
         with self.device_setup.attention():
-            loss, nll = accumulate_gradients(model, micro, tgt_tokens, self.world, self.loss_settings)
+            loss, nll = accumulate_gradients(model, micro, host.tgt_tokens, self.world, self.loss_settings)
         lr = self.optimizer.param_groups[0]["lr"]
         norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.loss_settings.scaler, self.tc.clip_norm,
-                              self.cadence.logs(self.progress.step + 1))
-        return loss, nll, lr, norm
+                              self.cadence.logs(self.state.progress.step + 1))
+        return StepResult(loss, nll, lr, norm, host.src_tokens, host.tgt_tokens, started)
 
-    def _act(self, agreed: Agreed | None, window: Window, notice: preemption.Notice | None) -> Window:
-        """What the agreement decides, in this order: log, the dev loss, an early stop, a stop for a
-        preemption notice, a checkpoint (which then records all of them); the window to go on with."""
-        p = self.progress
-        if agreed is not None and agreed.log_sums is not None:
-            log_window(self, window, agreed.log_sums)
-            window = Window()
-        val_loss = record_dev_loss(self, agreed.dev_sums) if agreed is not None and agreed.dev_sums is not None else None
-        record = None if self.early_stop is None or agreed is None else self.early_stop.decide(
-            p.step, agreed.stop, val_loss)
-        if record is not None:
-            p.early_stop = record
-            if self.rank == 0:
-                self.metrics.log(self.early_stop.metrics(p.step))
-        if notice is not None:
-            self._stop_if_preempted(agreed)
-        if record is not None or self.cadence.interval_due(p.step) or (agreed is not None and agreed.checkpoint_due):
-            save_s = self._checkpoint()
-            if notice is not None:
-                notice.observe(save_s=save_s)
-        return window
-
-    def _stop_if_preempted(self, agreed: Agreed | None) -> None:
-        """At the step agreed on after a SIGTERM to any worker: a synchronous checkpoint if it fits, then `Preempted`."""
-        stop, fits = preemption.decide(agreed, self.progress.step, self.rank)
-        if not stop:
-            return
-        if fits:
-            self._checkpoint(sync=True)
-            flush = getattr(self.session, "flush_reports", None)  # Ray: registered before the group stops
-            if flush is not None:
-                flush(timeout_s=10.0)
-        raise preemption.Preempted(f"preemption notice (SIGTERM): stopped at step {self.progress.step} "
-                                   f"{'after a checkpoint' if fits else 'without a checkpoint'}")
+    def _early_stop_record(self, agreed: Agreed | None) -> dict[str, Any] | None:
+        """The early-stop rule's verdict at this step (its record), from the agreed dev loss or wish."""
+        if self.early_stop is None or agreed is None:
+            return None
+        m = DevLoss.metrics(agreed.dev_sums) if agreed.dev_sums is not None else None
+        return self.early_stop.decide(self.state.progress.step, agreed.stop, m["val/loss"] if m else None)
 
     def _checkpoint(self, sync: bool = False) -> float:
         """The checkpoint of this step; the seconds the loop waited (`sync`: the upload included)."""
-        waited = self.checkpoints.write(self.progress, self.metrics.last, sync)
+        waited = self.checkpoints.write(self.state.progress, self.metrics.last, sync)
         self.cadence.checkpointed()
         if self.rank == 0:
             self.metrics.log({"train/checkpoint_stall_s": waited})
         return waited
 
 
-def local_side(t: Trainer, model: torch.nn.Module, window: Window, notice: preemption.Notice | None,
-               t_step: float) -> Local:
+def carry_out(t: Trainer, actions: list[Action], agreed: Agreed | None, stop: dict[str, Any] | None,
+              notice: preemption.Notice | None) -> None:
+    """Do what `decide` said, in its order. `stop`: the early stop's record (on EARLY_STOP)."""
+    s = t.state
+    for action in actions:
+        if action is Action.LOG:
+            log_window(t, s.window, agreed.log_sums)
+            s.window = Window()
+        elif action is Action.DEV_LOSS:
+            record_dev_loss(t, agreed.dev_sums)
+        elif action is Action.EARLY_STOP:
+            s.progress.early_stop = stop
+            if t.rank == 0:
+                t.early_stop.announce(s.progress.step)
+                t.metrics.log(t.early_stop.metrics(s.progress.step))
+        elif action in (Action.STOP_PREEMPTED_AFTER_CHECKPOINT, Action.STOP_PREEMPTED):
+            stop_preempted(t, agreed, fits=action is Action.STOP_PREEMPTED_AFTER_CHECKPOINT)
+        elif action is Action.CHECKPOINT:
+            save_s = t._checkpoint()
+            if notice is not None:
+                notice.observe(save_s=save_s)
+
+
+def stop_preempted(t: Trainer, agreed: Agreed, fits: bool) -> None:
+    """At the step agreed on after a SIGTERM to any worker: a synchronous checkpoint if it fits, then `Preempted`."""
+    step = t.state.progress.step
+    if t.rank == 0:
+        preemption.announce(agreed, step, fits)
+    if fits:
+        t._checkpoint(sync=True)
+        flush = getattr(t.session, "flush_reports", None)  # Ray: registered before the group stops
+        if flush is not None:
+            flush(timeout_s=10.0)
+    raise preemption.Preempted(f"preemption notice (SIGTERM): stopped at step {step} "
+                               f"{'after a checkpoint' if fits else 'without a checkpoint'}")
+
+
+def local_side(t: Trainer, model: torch.nn.Module, notice: preemption.Notice | None, started: float) -> Local:
     """This rank's side of the step's agreement: the sums of a log or validation step, rank 0's
     wishes (a time-based checkpoint, an early stop on dev BLEU), the preemption notice."""
-    p, c = t.progress, t.cadence
+    p, c = t.state.progress, t.cadence
     local = Local()
     if c.logs(p.step):
-        local.log_sums = torch.stack([window.loss, window.nll])
+        local.log_sums = torch.stack([t.state.window.loss, t.state.window.nll])
     if c.validates_at(p.step):
         with t.device_setup.attention():
             local.dev_sums = t.dev_loss.sums(model)
@@ -237,7 +293,8 @@ def local_side(t: Trainer, model: torch.nn.Module, window: Window, notice: preem
         local.checkpoint_due = c.time_due(p.step)
         local.stop = t.early_stop is not None and t.early_stop.wish(p.step, c.logs(p.step))
     if notice is not None:
-        notice.observe(step_s=time.perf_counter() - t_step)
+        # The step's time runs up to its agreement: a validation step's dev loss counts.
+        notice.observe(step_s=time.perf_counter() - started)
         local.grace_left_s, local.step_and_save_s, local.save_s = notice.local(p.step)
     return local
 
@@ -246,7 +303,7 @@ def log_window(t: Trainer, window: Window, sums: list[float]) -> None:
     """The log line of `window`'s steps (rank 0: its history row, the batch shapes, compiled graphs)."""
     m = t.metrics.log_window(window, sums)
     if t.rank == 0:
-        p, compiler = t.progress, t.device_setup.compiler
+        p, compiler = t.state.progress, t.device_setup.compiler
         p.history_train.append([float(p.step), m["train/loss"], m["train/nll"], m["train/lr"]])
         t.metrics.log({"train/batch_shapes": float(len(t.batcher.shapes)), **(
             {"train/compiled_graphs": float(compiler.num_graphs)} if compiler is not None else {})})
@@ -257,7 +314,7 @@ def record_dev_loss(t: Trainer, sums: list[float]) -> float | None:
     m = DevLoss.metrics(sums)
     if m is None:
         return None
-    p = t.progress
+    p = t.state.progress
     p.history_val.append([float(p.step), m["val/loss"], m["val/nll"]])
     t.metrics.log(m)
     if t.rank == 0:
@@ -268,7 +325,7 @@ def record_dev_loss(t: Trainer, sums: list[float]) -> float | None:
 
 def log_start(t: Trainer) -> None:
     """World size and accumulation at the resume step (elastic runs change them), and where it starts."""
-    p, tc = t.progress, t.tc
+    p, tc = t.state.progress, t.tc
     previous_world, p.world_size = p.world_size or None, t.world
     group, _ = t.plan.at(p.epoch, p.step_in_epoch)
     if group is not None:
@@ -283,8 +340,8 @@ def log_start(t: Trainer) -> None:
 
 def summary(t: Trainer) -> dict[str, Any]:
     """What a worker returns at the end (rank 0's is the stage's): where it stopped, what it saw."""
-    p, compiler = t.progress, t.device_setup.compiler
-    return {"final_step": p.step, "start_step": t.start_step, "epoch": p.epoch,
+    p, compiler = t.state.progress, t.device_setup.compiler
+    return {"final_step": p.step, "start_step": t.state.start_step, "epoch": p.epoch,
             "tokens_seen": {"src": p.tokens_src, "tgt": p.tokens_tgt},
             "train_time_s": p.train_time_s, "num_dropped_too_long": t.plan.num_dropped,
             "num_pairs": len(t.plan.rows), "precision": t.device_setup.precision, "world_size": t.world,

@@ -90,7 +90,7 @@ def _rank(rank: int, port: int, notice_rank: int, notice_step: int, out) -> None
             left, step_and_save, save = notice.local(step)
             agreed = agreement.exchange(Local(grace_left_s=left, step_and_save_s=step_and_save, save_s=save),
                                         blocking=False)  # an ordinary step: neither logs nor validates
-            stop, fits = preemption.decide(agreed, step, rank)
+            stop, fits = preemption.verdict(agreed)
             if stop:
                 out.put((rank, step, fits))
                 break

@@ -1,0 +1,54 @@
+"""What the loop does after a step, decided in one place from the step's agreement.
+
+`decide` is a pure function of the agreed row (`pipeline.train.agreement.Agreed`), the step, the
+interval rules (`pipeline.train.checkpoint.Cadence`) and the early-stop verdict; it returns the
+`Action`s the loop then carries out in this order:
+
+    LOG                  the agreement holds the window's loss sums (a log step)
+    DEV_LOSS             the agreement holds the dev sums (a validation step)
+    EARLY_STOP           the early-stop rule says stop (its verdict, kept by
+                         `pipeline.train.early_stop.EarlyStopDecision`, is an input)
+    STOP_PREEMPTED_AFTER_CHECKPOINT / STOP_PREEMPTED
+                         a preemption notice reached the agreement (`pipeline.train.preemption`):
+                         a synchronous checkpoint if it fits, then the group stops; nothing follows
+    CHECKPOINT           an early stop, `checkpoint.interval_steps` (or the last step), or rank 0's
+                         time-based wish (`checkpoint.interval_s`, in the agreement)
+
+Every rank reads the same agreement at the same step, so every rank gets the same list.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from pipeline.train import preemption
+from pipeline.train.agreement import Agreed
+from pipeline.train.checkpoint import Cadence
+
+
+class Action(Enum):
+    LOG = "log"  # the log line of the window's steps; a new window
+    DEV_LOSS = "dev_loss"  # the dev loss logged and kept in the history
+    EARLY_STOP = "early_stop"  # the stop recorded in the progress and logged
+    STOP_PREEMPTED_AFTER_CHECKPOINT = "stop_preempted_after_checkpoint"  # a synchronous checkpoint, then stop
+    STOP_PREEMPTED = "stop_preempted"  # stop without a checkpoint: it does not fit in the grace left
+    CHECKPOINT = "checkpoint"
+
+
+def decide(agreed: Agreed | None, step: int, cadence: Cadence, early_stop: bool) -> list[Action]:
+    """The actions after `step`, in order. `agreed`: the step's agreement (None: an ordinary step
+    before any agreement was read); `early_stop`: the early-stop rule's verdict at this step."""
+    actions = []
+    if agreed is not None and agreed.log_sums is not None:
+        actions.append(Action.LOG)
+    if agreed is not None and agreed.dev_sums is not None:
+        actions.append(Action.DEV_LOSS)
+    if early_stop:
+        actions.append(Action.EARLY_STOP)
+    # Without a notice on any rank every rank sends no grace (agreement.NO_NOTICE): no stop.
+    stop, fits = preemption.verdict(agreed)
+    if stop:  # the stop ends the loop: no other checkpoint follows
+        return actions + [Action.STOP_PREEMPTED_AFTER_CHECKPOINT if fits else Action.STOP_PREEMPTED]
+    if early_stop or cadence.interval_due(step) or (agreed is not None and agreed.checkpoint_due):
+        actions.append(Action.CHECKPOINT)
+    return actions
