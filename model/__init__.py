@@ -10,21 +10,51 @@ search        greedy and beam search over the `DecodingModel` protocol
 attention_weights  the attention maps of a sentence pair (the paper's Figures 3-5)
 loss, schedule, averaging, config: label smoothing, the learning rate, checkpoint averaging, sizes
 
-Imports torch and the standard library only.
+Imports torch and the standard library only. The names below load their module on first use
+(PEP 562), so `model.config` (the sizes, which the pipeline's config is built on) costs no torch
+import: a data stage's Ray workers and `--help` never load torch (~3 s of a process's start on 2 cores).
 """
 
-from .averaging import average_checkpoints
-from .config import SIZES, ModelConfig, ModelSizes, Positional, size_name
-from .incremental import DecoderState
-from .loss import label_smoothed_nll, linear_label_smoothed_nll
-from .padding import NonPad
-from .schedule import ADAM_BETAS, ADAM_EPS, make_optimizer, make_scheduler, noam_lambda, noam_lr
-from .search import DecodingModel, beam_search, gnmt_length_penalty, greedy_search, max_source_len, output_budget
-from .transformer import Transformer, sinusoid_table
+from __future__ import annotations
 
-__all__ = [
-    "ADAM_BETAS", "ADAM_EPS", "DecoderState", "DecodingModel", "ModelConfig", "ModelSizes", "NonPad", "Positional",
-    "SIZES", "Transformer", "average_checkpoints",
-    "beam_search", "gnmt_length_penalty", "greedy_search", "label_smoothed_nll", "linear_label_smoothed_nll", "make_optimizer",
-    "make_scheduler", "max_source_len", "noam_lambda", "noam_lr", "output_budget", "sinusoid_table", "size_name",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> the module of this package that defines it
+_WHERE = {
+    "average_checkpoints": "averaging",
+    "SIZES": "config", "ModelConfig": "config", "ModelSizes": "config", "Positional": "config", "size_name": "config",
+    "DecoderState": "incremental",
+    "label_smoothed_nll": "loss", "linear_label_smoothed_nll": "loss",
+    "NonPad": "padding",
+    "ADAM_BETAS": "schedule", "ADAM_EPS": "schedule", "make_optimizer": "schedule", "make_scheduler": "schedule",
+    "noam_lambda": "schedule", "noam_lr": "schedule",
+    "DecodingModel": "search", "beam_search": "search", "gnmt_length_penalty": "search", "greedy_search": "search",
+    "max_source_len": "search", "output_budget": "search",
+    "Transformer": "transformer", "sinusoid_table": "transformer",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and readers see
+    from .averaging import average_checkpoints  # noqa: F401
+    from .config import SIZES, ModelConfig, ModelSizes, Positional, size_name  # noqa: F401
+    from .incremental import DecoderState  # noqa: F401
+    from .loss import label_smoothed_nll, linear_label_smoothed_nll  # noqa: F401
+    from .padding import NonPad  # noqa: F401
+    from .schedule import ADAM_BETAS, ADAM_EPS, make_optimizer, make_scheduler, noam_lambda, noam_lr  # noqa: F401
+    from .search import (DecodingModel, beam_search, gnmt_length_penalty, greedy_search,  # noqa: F401
+                         max_source_len, output_budget)
+    from .transformer import Transformer, sinusoid_table  # noqa: F401
