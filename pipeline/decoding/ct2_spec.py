@@ -111,18 +111,28 @@ def _ffn(spec: Any, state: dict[str, torch.Tensor], name: str, cfg: ModelConfig)
         _linear(spec.linear_0_noact, state, f"{name}.w3")
 
 
+def _self_attention(layer: Any, state: dict[str, torch.Tensor], ours: str, cfg: ModelConfig) -> None:
+    """A layer's self-attention: the fused [W_Q; W_K; W_V], W_O and the norm of its sublayer."""
+    _linear(layer.self_attention.linear[0], state, f"{ours}.self_attn.qkv_proj")
+    _linear(layer.self_attention.linear[1], state, f"{ours}.self_attn.out_proj")
+    _norm(layer.self_attention.layer_norm, state, f"{ours}.norm1", cfg)
+
+
+def _final_norm(spec: Any, state: dict[str, torch.Tensor], name: str, cfg: ModelConfig) -> None:
+    """Pre-norm's norm after the stack (none after a post-norm stack)."""
+    if cfg.norm_position == "pre":
+        _norm(spec.layer_norm, state, name, cfg)
+
+
 def _fill_encoder(spec: Any, state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     spec.embeddings[0].weight = state["src_embed.weight"]
     _positions(spec, state, cfg)
     for i, layer in enumerate(spec.layer):
         ours = f"encoder_layers.{i}"
-        _linear(layer.self_attention.linear[0], state, f"{ours}.self_attn.qkv_proj")
-        _linear(layer.self_attention.linear[1], state, f"{ours}.self_attn.out_proj")
-        _norm(layer.self_attention.layer_norm, state, f"{ours}.norm1", cfg)
+        _self_attention(layer, state, ours, cfg)
         _ffn(layer.ffn, state, f"{ours}.ffn", cfg)
         _norm(layer.ffn.layer_norm, state, f"{ours}.norm2", cfg)
-    if cfg.norm_position == "pre":
-        _norm(spec.layer_norm, state, "encoder_norm", cfg)
+    _final_norm(spec, state, "encoder_norm", cfg)
 
 
 def _fill_decoder(spec: Any, state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
@@ -130,14 +140,11 @@ def _fill_decoder(spec: Any, state: dict[str, torch.Tensor], cfg: ModelConfig) -
     _positions(spec, state, cfg)
     for i, layer in enumerate(spec.layer):
         ours = f"decoder_layers.{i}"
-        _linear(layer.self_attention.linear[0], state, f"{ours}.self_attn.qkv_proj")
-        _linear(layer.self_attention.linear[1], state, f"{ours}.self_attn.out_proj")
-        _norm(layer.self_attention.layer_norm, state, f"{ours}.norm1", cfg)
+        _self_attention(layer, state, ours, cfg)
         _linear(layer.attention.linear[0], state, f"{ours}.cross_attn.q_proj")
         _linear(layer.attention.linear[1], state, f"{ours}.cross_attn.kv_proj")
         _linear(layer.attention.linear[2], state, f"{ours}.cross_attn.out_proj")
         _norm(layer.attention.layer_norm, state, f"{ours}.norm2", cfg)
         _ffn(layer.ffn, state, f"{ours}.ffn", cfg)
         _norm(layer.ffn.layer_norm, state, f"{ours}.norm3", cfg)
-    if cfg.norm_position == "pre":
-        _norm(spec.layer_norm, state, "decoder_norm", cfg)
+    _final_norm(spec, state, "decoder_norm", cfg)
