@@ -83,7 +83,8 @@ def test_marian_refuses_each_option_by_name_and_ctranslate2_holds_it():
         assert f"model.{key} = {value!r}" in unexportable(cfg)
         assert ct2_unexportable(cfg) is None
     assert "d_k/d_v" in ct2_unexportable(ModelConfig(**base, positional="rotary", d_k=4, d_v=8))
-    for table3 in (dict(d_k=16), dict(positional="learned"), dict(tie_embeddings=False)):  # Table 3 rows without an option: Marian's refusal
+    # Table 3 rows without an option keep Marian's refusal
+    for table3 in (dict(d_k=16), dict(positional="learned"), dict(tie_embeddings=False)):
         cfg = ModelConfig(**base, **table3)
         assert ct2_unexportable(cfg) == unexportable(cfg) is not None
     with pytest.raises(ValueError, match="one head width"):
