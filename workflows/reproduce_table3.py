@@ -4,8 +4,11 @@
     python workflows/reproduce_table3.py --rows base,C4,E --plan   # what would run, and each model's size
     python workflows/reproduce_table3.py --rows A --config configs/base.toml --config configs/cluster-overlay.toml
     python workflows/reproduce_table3.py --rows C --max-concurrent-rows 4 --config ... # 4 rows train at once
+    python workflows/reproduce_table3.py --rows base,after2017 --config configs/multi30k-fast.toml  # on a laptop
 
-Each row is ``configs/table3/<row>.toml`` applied on top of the recipe (``--config``, repeatable,
+Besides the paper's rows, ``after2017`` names the rows after 2017 (prenorm, rmsnorm, swiglu, rotary,
+and all four: later), which the paper has no values for. Each row is ``configs/table3/<row>.toml``
+applied on top of the recipe (``--config``, repeatable,
 default configs/base.toml), then the ``--section.key=value`` overrides. All rows share one work
 dir, so the data stages (download .. encode) run once, first; then each row's own chain (train ->
 average -> export -> translate -> score) runs as its own branch, as many side by side as
@@ -43,7 +46,7 @@ from workflows import runner, sweep  # noqa: E402
 from workflows.lock import WorkDirBusy  # noqa: E402
 from workflows.preflight import preflight  # noqa: E402
 from workflows.session import DriverSession, driver_session  # noqa: E402
-from workflows.table3 import PAPER, expand_rows, render_table, write_figure  # noqa: E402
+from workflows.table3 import ROWS, expand_rows, papers_task, render_table, write_figure  # noqa: E402
 
 log = logging.getLogger("reproduce_table3")
 TABLE3_DIR = REPO / "configs" / "table3"
@@ -62,7 +65,7 @@ def varies(row: str) -> str:
 
 
 def row_tags(row: str) -> dict[str, str]:
-    return {"workflow": "reproduce_table3", "table3_row": row, "table3_variation": PAPER[row][0],
+    return {"workflow": "reproduce_table3", "table3_row": row, "table3_variation": ROWS[row][0],
             "table3_varies": varies(row)}
 
 
@@ -81,9 +84,12 @@ def row_result(row: str, cfg: Config, outcome: sweep.Outcome) -> dict[str, Any]:
                      bleu_dev=None, train_steps=None)
         return entry
     key = paper_metric(cfg.data.tgt_lang, cfg.data.preprocess)
-    dev = manifests["score"].outputs["scores"]["dev"]
+    scores = manifests["score"].outputs["scores"]
+    dev = scores["dev"]
     entry.update(ppl_dev=manifests["train"].metrics.get("val/final_ppl"), bleu_dev=dev[key], bleu_metric=key,
                  bleu_sacre_dev=dev["bleu_sacre"], train_steps=manifests["train"].outputs["final_step"],
+                 train_wall_s=manifests["train"].extra.get("wall_s"),
+                 **({"bleu_test": scores["test"][key]} if "test" in scores else {}),
                  train_key=manifests["train"].key,
                  # The row's own dev BLEU from training (its final checkpoint), when it was validated.
                  **table3_dev_bleu(manifests["train"].outputs, key))
@@ -104,7 +110,7 @@ def publish(results: list[dict[str, Any]], cfg: Config, parent: Any) -> str:
     storage.write_text(storage.join(out, "table3.json"), as_json)
     with tempfile.TemporaryDirectory() as tmp:
         png = Path(tmp) / "table3.png"
-        write_figure(results, str(png))
+        write_figure(results, str(png), papers=papers_task(cfg))
         storage.upload(png, storage.join(out, "table3.png"))
         parent.log_artifact(str(png), "table3")
     parent.log_text(table, "table3/table3.md")
@@ -115,7 +121,8 @@ def publish(results: list[dict[str, Any]], cfg: Config, parent: Any) -> str:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", required=True, help="comma-separated rows or groups: base, A1..A4, B1, B2, "
-                                                 "C1..C7, D1..D4, E, big; A, B, C, D = the whole group")
+                                                 "C1..C7, D1..D4, E, big; A, B, C, D = the whole group; "
+                                                 "after2017 = prenorm, rmsnorm, swiglu, rotary, later (all four)")
     p.add_argument("--config", action="append", default=None,
                    help="the recipe the rows vary (default configs/base.toml); repeatable, later files win")
     p.add_argument("--plan", action="store_true", help="print each row's size and plan; run nothing")
@@ -147,8 +154,8 @@ def print_plans(cfgs: dict[str, Config]) -> None:
     from pipeline.plan.bill import num_parameters
 
     for row, cfg in cfgs.items():
-        paper = "not given" if PAPER[row][3] is None else f"{PAPER[row][3]}M"
-        print(f"row {row} ({PAPER[row][0]}): {num_parameters(cfg) / 1e6:.1f}M parameters (paper: {paper})\n"
+        paper = "not given" if ROWS[row][3] is None else f"{ROWS[row][3]}M"
+        print(f"row {row} ({ROWS[row][0]}): {num_parameters(cfg) / 1e6:.1f}M parameters (paper: {paper})\n"
               f"{runner.format_plan(runner.make_plan(cfg))}\n", flush=True)
 
 

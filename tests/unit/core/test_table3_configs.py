@@ -1,4 +1,5 @@
-"""configs/table3/: one file per row of Table 3, sizes within 8% of the paper's, keys shared/distinct."""
+"""configs/table3/: one file per row of Table 3 and per row after 2017, sizes within 8% of the paper's
+(hand-counted for the later rows), keys shared/distinct."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 
 from pipeline.config import ConfigError
 from pipeline.plan.bill import num_parameters
-from workflows.reproduce_table3 import PAPER, TABLE3_DIR, expand_rows, variant_config
+from workflows.reproduce_table3 import TABLE3_DIR, expand_rows, variant_config
+from workflows.table3 import LATER, PAPER, ROWS
 from workflows.runner import compute_keys
 
 REPO = Path(__file__).resolve().parents[3]
@@ -17,8 +19,9 @@ DATA_STAGES = ("download", "prepare", "vocab", "encode")
 
 
 def test_one_file_per_row():
-    assert {p.stem for p in TABLE3_DIR.glob("*.toml")} == set(PAPER)
+    assert {p.stem for p in TABLE3_DIR.glob("*.toml")} == set(ROWS)
     assert len(PAPER) == 20  # base, A1-A4, B1-B2, C1-C7, D1-D4, E, big
+    assert list(LATER) == ["prenorm", "rmsnorm", "swiglu", "rotary", "later"]
 
 
 @pytest.mark.parametrize("row", list(PAPER))
@@ -38,10 +41,25 @@ def test_parameter_count_matches_the_papers_column(row):
         assert n == base, row
 
 
+# The later rows' sizes on base (vocab 37000), counted by hand from base's 63,082,496: 30 norms
+# (2 per encoder layer, 3 per decoder layer), each 2 x 512 as LayerNorm (weight, bias) and 512 as
+# RMSNorm (weight); pre-norm adds one final norm per stack; SwiGLU adds W3 (512 x 2048 + 2048 bias)
+# in each of the 12 layers; rotary positions have no parameters, as the sinusoids.
+W3 = 12 * (512 * 2048 + 2048)
+LATER_SIZES = {"prenorm": 63_082_496 + 2 * 1024, "rmsnorm": 63_082_496 - 30 * 512, "swiglu": 63_082_496 + W3,
+               "rotary": 63_082_496, "later": 63_082_496 - 30 * 512 + 2 * 512 + W3}
+
+
+@pytest.mark.parametrize("row", list(LATER))
+def test_the_later_rows_sizes_are_the_hand_counted_ones(row):
+    assert num_parameters(variant_config("base", BASE, [])) == 63_082_496
+    assert num_parameters(variant_config(row, BASE, [])) == LATER_SIZES[row]
+
+
 def test_each_row_is_its_own_training_on_shared_data():
-    keys = {row: compute_keys(variant_config(row, BASE, [])) for row in PAPER}
-    assert len({tuple(keys[r][s] for s in DATA_STAGES) for r in PAPER}) == 1  # data cached once
-    assert len({keys[r]["train"] for r in PAPER}) == len(PAPER)  # every row trains its own model
+    keys = {row: compute_keys(variant_config(row, BASE, [])) for row in ROWS}
+    assert len({tuple(keys[r][s] for s in DATA_STAGES) for r in ROWS}) == 1  # data cached once
+    assert len({keys[r]["train"] for r in ROWS}) == len(ROWS)  # every row trains its own model
 
 
 @pytest.mark.parametrize("row, check", [
@@ -51,6 +69,12 @@ def test_each_row_is_its_own_training_on_shared_data():
     ("D4", lambda c: c.train.label_smoothing == 0.2 and c.model.dropout == 0.1),
     ("E", lambda c: c.model.positional == "learned"),
     ("big", lambda c: (c.model.d_model, c.model.dropout, c.train.max_steps) == (1024, 0.3, 300_000)),
+    ("prenorm", lambda c: (c.model.norm_position, c.model.norm, c.model.ffn) == ("pre", "layernorm", "relu")),
+    ("rmsnorm", lambda c: (c.model.norm_position, c.model.norm) == ("post", "rmsnorm")),
+    ("swiglu", lambda c: (c.model.ffn, c.model.positional) == ("swiglu", "sinusoid")),
+    ("rotary", lambda c: (c.model.positional, c.model.ffn) == ("rotary", "relu")),
+    ("later", lambda c: (c.model.norm_position, c.model.norm, c.model.ffn, c.model.positional)
+     == ("pre", "rmsnorm", "swiglu", "rotary")),
 ])
 def test_rows_set_what_table3_varies_and_score_as_62_does(row, check):
     cfg = variant_config(row, BASE, [])
@@ -62,5 +86,7 @@ def test_rows_set_what_table3_varies_and_score_as_62_does(row, check):
 def test_row_groups_expand():
     assert expand_rows("A,B") == ["A1", "A2", "A3", "A4", "B1", "B2"]
     assert expand_rows("base, C7,E,big,C7") == ["base", "C7", "E", "big"]
+    assert expand_rows("base,after2017") == ["base", "prenorm", "rmsnorm", "swiglu", "rotary", "later"]
+    assert expand_rows("rotary,E") == ["rotary", "E"]
     with pytest.raises(ConfigError, match="unknown row 'F'"):
         expand_rows("F")

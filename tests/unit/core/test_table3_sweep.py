@@ -103,6 +103,38 @@ def test_the_table_marks_a_failed_row_with_its_reason():
     assert "Failed rows: E." in table
 
 
+LATER_RESULTS = [
+    {"row": "base", "params": 7.6e6, "status": "done", "ppl_dev": 6.81, "bleu_dev": 30.12, "bleu_test": 31.25,
+     "train_steps": 900, "train_wall_s": 1260.0, "bleu_metric": "bleu"},
+    {"row": "swiglu", "params": 8.8e6, "status": "done", "ppl_dev": 6.5, "bleu_dev": 31.0, "bleu_test": 32.5,
+     "train_steps": 900, "train_wall_s": 1500.0, "bleu_metric": "bleu"},
+]
+
+
+def _rows(table: str) -> dict[str, list[str]]:
+    return {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in
+                                          table.splitlines() if line.startswith("| ") and "---" not in line)}
+
+
+def test_another_recipes_table_has_test_bleu_and_no_paper_columns():
+    """On Multi30k the paper's newstest2013 values would compare nothing: not shown; test BLEU and
+    the train stage's wall time are."""
+    cfg = variant_config("base", [str(REPO / "configs" / "multi30k-fast.toml")], [])
+    rows = _rows(render_table(LATER_RESULTS, cfg))
+    assert rows["row"] == ["row", "variation", "steps", "PPL dev (ours)", "BLEU dev (ours)", "BLEU test (ours)",
+                           "params x10^6 (ours)", "train wall", "status"]
+    assert rows["swiglu"] == ["swiglu", "SwiGLU FFN (Shazeer, 2020)", "900", "6.50", "31.0", "32.50", "8.8",
+                              "25.0 min", "done"]
+    assert rows["base"][5:8] == ["31.25", "7.6", "21.0 min"]
+
+
+def test_a_later_row_on_the_papers_task_has_no_paper_values():
+    rows = _rows(render_table(LATER_RESULTS, variant_config("base", LOCAL, [])))
+    assert rows["row"][3:6] == ["PPL dev (ours)", "PPL dev (paper)", "BLEU dev (ours)"]
+    assert rows["swiglu"][4] == "-" and rows["swiglu"][6] == "-" and rows["swiglu"][9] == "-"
+    assert rows["base"][4] == "4.92" and rows["base"][6] == "25.8"
+
+
 def test_the_figure_is_a_png_of_the_rows(tmp_path):
     path = tmp_path / "t3.png"
     write_figure(RESULTS, str(path))
