@@ -23,7 +23,7 @@ all-reduces on the default group. In one process there is nothing to exchange.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ import torch.distributed as dist
 NO_NOTICE = 1e18  # the grace left of a rank without a preemption notice (the ranks take the least)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Local:
     """One rank's side of a step's agreement."""
 
@@ -44,7 +44,7 @@ class Local:
     save_s: float = 0.0  # the last checkpoint save, in seconds
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Agreed:
     """What every rank reads after a step: the same numbers on all of them."""
 
@@ -58,23 +58,49 @@ class Agreed:
     lagged: bool  # the notice's values were sent one step ago (a step has run since)
 
 
-_FIELDS = 10  # log (2), dev (3), checkpoint_due, stop, grace_left_s, step_and_save_s, save_s
+def _rank0(values: list[float]) -> float:
+    return values[0]
+
+
+# The exchanged row, field by field: (the field of `Local` and `Agreed`, its width, how the ranks'
+# values of each of its numbers become the agreed one).
+ROW: tuple[tuple[str, int, Callable[[list[float]], float]], ...] = (
+    ("log_sums", 2, sum),  # added over the ranks
+    ("dev_sums", 3, sum),  # added over the ranks
+    ("checkpoint_due", 1, _rank0),  # rank 0's wish
+    ("stop", 1, _rank0),  # rank 0's wish
+    ("grace_left_s", 1, min),  # the least grace left over the ranks
+    ("step_and_save_s", 1, max),  # the slowest rank's
+    ("save_s", 1, max),  # the slowest rank's
+)
+_WIDTH = sum(width for _, width, _ in ROW)
 
 
 def _flat(local: Local) -> list[float]:
-    log = local.log_sums.to(torch.float64).tolist() if local.log_sums is not None else [0.0, 0.0]
-    dev = local.dev_sums.to(torch.float64).tolist() if local.dev_sums is not None else [0.0, 0.0, 0.0]
-    return [*log, *dev, float(local.checkpoint_due), float(local.stop), local.grace_left_s,
-            local.step_and_save_s, local.save_s]
+    """The rank's row: each field of `ROW` as its `width` numbers (an absent sum as zeros)."""
+    out: list[float] = []
+    for name, width, _ in ROW:
+        value = getattr(local, name)
+        if value is None:
+            out += [0.0] * width
+        elif isinstance(value, torch.Tensor):
+            out += value.to(torch.float64).tolist()
+        else:
+            out.append(float(value))
+    return out
 
 
 def _combine(rows: list[list[float]], has_log: bool, has_dev: bool, lagged: bool) -> Agreed:
-    """The ranks' rows (rank order) as one `Agreed`: sums added, rank 0's wishes, the notice's extremes."""
-    total = [sum(col) for col in zip(*rows)]
-    return Agreed(log_sums=total[0:2] if has_log else None, dev_sums=total[2:5] if has_dev else None,
-                  checkpoint_due=bool(rows[0][5]), stop=bool(rows[0][6]),
-                  grace_left_s=min(r[7] for r in rows), step_and_save_s=max(r[8] for r in rows),
-                  save_s=max(r[9] for r in rows), lagged=lagged)
+    """The ranks' rows (rank order) as one `Agreed`, each number reduced as `ROW` says."""
+    agreed: dict[str, Any] = {}
+    start = 0
+    for name, width, reduce in ROW:
+        values = [reduce([row[i] for row in rows]) for i in range(start, start + width)]
+        agreed[name] = values if width > 1 else values[0]
+        start += width
+    return Agreed(**{**agreed, "log_sums": agreed["log_sums"] if has_log else None,
+                     "dev_sums": agreed["dev_sums"] if has_dev else None,
+                     "checkpoint_due": bool(agreed["checkpoint_due"]), "stop": bool(agreed["stop"])}, lagged=lagged)
 
 
 class StepAgreement:
@@ -93,7 +119,7 @@ class StepAgreement:
         if self.world == 1:
             return _combine([_flat(local)], has_log, has_dev, lagged=False)
         previous = self._finish_pending()
-        rows = [torch.empty(_FIELDS, dtype=torch.float64) for _ in range(self.world)]
+        rows = [torch.empty(_WIDTH, dtype=torch.float64) for _ in range(self.world)]
         mine = torch.tensor(_flat(local), dtype=torch.float64)
         if blocking:
             dist.all_gather(rows, mine, group=self.group)

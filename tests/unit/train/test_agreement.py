@@ -4,6 +4,7 @@ sums, takes rank 0's wishes and the notice's extremes."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -101,3 +102,11 @@ def test_combining_the_ranks_rows():
     assert agreed.log_sums == [1.5, 2.25] and agreed.dev_sums == [15.0, 27.0, 5.0]
     assert (agreed.stop, agreed.checkpoint_due) == (False, True)  # rank 1's stop wish is not rank 0's
     assert (agreed.grace_left_s, agreed.step_and_save_s, agreed.save_s, agreed.lagged) == (12.0, 4.0, 1.0, True)
+
+
+def test_every_field_is_exchanged_with_its_reduction():
+    """The row names each field of `Local` once, in order, and `Agreed` holds them all (and `lagged`)."""
+    names = [name for name, _, _ in agreement.ROW]
+    assert names == [f.name for f in dataclasses.fields(Local)]
+    assert [*names, "lagged"] == [f.name for f in dataclasses.fields(agreement.Agreed)]
+    assert agreement._flat(Local(stop=True, save_s=2.5)) == [0.0] * 5 + [0.0, 1.0, agreement.NO_NOTICE, 0.0, 2.5]
