@@ -96,7 +96,7 @@ def make_corpus(mirror: str, work: Path, scale: int) -> dict[str, list[str] | st
     if not (base / "done.json").exists():
         cfg = Config()
         cfg.data.mirror, cfg.run.work_dir = mirror, str(work)
-        out = download.run(StageContext("download", "x", cfg, str(base), {})).outputs
+        out = download.run(StageContext(name="download", key="x", cfg=cfg, out_dir=str(base), inputs={})).outputs
         (base / "done.json").write_text(json.dumps(out))
     out = json.loads((base / "done.json").read_text())
     files: dict[str, list[str] | str] = {"train_src": [], "train_tgt": []}
@@ -160,9 +160,9 @@ def _run_stage(cfg, res: dict, module, name: str, **inputs):
 
     out = Path(cfg.run.work_dir) / name
     t0 = time.perf_counter()
-    r = module.run(StageContext(name, "k", cfg, str(out), inputs))
+    r = module.run(StageContext(name=name, key="k", cfg=cfg, out_dir=str(out), inputs=inputs))
     res[f"{name}_s"] = round(time.perf_counter() - t0, 2)
-    return Manifest(name, "k", str(out), r.outputs, r.metrics)
+    return Manifest(stage=name, key="k", dir=str(out), outputs=r.outputs, metrics=r.metrics)
 
 
 def _prepare_and_vocab(args: argparse.Namespace, cfg, mem: "PeakMemory", res: dict) -> tuple:
@@ -179,7 +179,8 @@ def _prepare_and_vocab(args: argparse.Namespace, cfg, mem: "PeakMemory", res: di
     res["prepare_peaks_mb"] = mem.peaks_mb()
     res["train_pairs"] = prep.outputs["splits"]["train"]["num_rows"]
     if args.vocab_model:
-        voc = Manifest("vocab", "k", "", {"model": args.vocab_model, "vocab_size": 2000, "pad_id": 0, "unk_id": 1,
+        voc = Manifest(stage="vocab", key="k", dir="",
+                       outputs={"model": args.vocab_model, "vocab_size": 2000, "pad_id": 0, "unk_id": 1,
                                           "bos_id": 2, "eos_id": 3})
     else:
         voc = _run_stage(cfg, res, vocab, "vocab", prepare=prep)

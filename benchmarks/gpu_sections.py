@@ -130,10 +130,13 @@ def fit_probe(pr: Any, mc: ModelConfig) -> Callable[[int], bool]:
         offsets = np.arange(rows + 1, dtype=np.int64) * L
         values = rng.integers(4, mc.vocab_size, size=rows * L).astype(np.int32)
         try:
-            b = token_batches.collate(np.arange(rows), Corpus(values, offsets, values, offsets),
-                                      BatchLayout(mc.pad_id, mc.bos_id, mc.eos_id))
+            b = token_batches.collate(np.arange(rows),
+                                      Corpus(src_values=values, src_offsets=offsets, tgt_values=values,
+                                             tgt_offsets=offsets),
+                                      BatchLayout(pad_id=mc.pad_id, bos_id=mc.bos_id, eos_id=mc.eos_id))
             mb = to_device(b, device)
-            accumulate_gradients(model, [mb], b.num_tgt_tokens, 1, LossSettings(0.1, mc.pad_id, autocast))
+            accumulate_gradients(model, [mb], b.num_tgt_tokens, 1,
+                                 LossSettings(label_smoothing=0.1, pad_id=mc.pad_id, autocast=autocast))
             optimizer_step(model, opt, sched, None, 0.0, want_norm=False)
             if device.type == "cuda":
                 torch.cuda.synchronize()

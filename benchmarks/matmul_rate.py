@@ -41,8 +41,8 @@ from pipeline.train.driver import local_cpu_training  # noqa: E402
 
 def shape_of(mb) -> MicroShape:
     """A collated micro-batch's `MicroShape` (rows, columns, computed positions)."""
-    return MicroShape(int(mb.src.shape[0]), int(mb.src.shape[1]), int(mb.tgt_in.shape[1]),
-                      int(mb.src_index.numel()), int(mb.tgt_index.numel()))
+    return MicroShape(B=int(mb.src.shape[0]), S=int(mb.src.shape[1]), T=int(mb.tgt_in.shape[1]),
+                      Ms=int(mb.src_index.numel()), Mt=int(mb.tgt_index.numel()))
 
 
 def print_rates(rates: dict[str, cpu_rate.MatmulRate]) -> None:

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     # 2. eole, on the same pieces and vocabulary, for our train loop's seconds
     eole = run_eole(args, ours, refs, our["train_s"], ckpt)
     # 3. the table
-    write_result(Sides(args, ours, our, eole, steps, ckpt), versions, t_all)
+    write_result(Sides(args=args, ours=ours, our=our, eole=eole, steps=steps, ckpt=ckpt), versions, t_all)
     return 0
 
 

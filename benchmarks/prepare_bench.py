@@ -42,14 +42,15 @@ def child(args: argparse.Namespace) -> dict:
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     dl_dir = Path(cfg.run.work_dir) / "download"
-    dl = download.run(StageContext("download", "k", cfg, str(dl_dir), {}))
-    dl = Manifest("download", "k", str(dl_dir), dl.outputs, dl.metrics)
+    dl = download.run(StageContext(name="download", key="k", cfg=cfg, out_dir=str(dl_dir), inputs={}))
+    dl = Manifest(stage="download", key="k", dir=str(dl_dir), outputs=dl.outputs, metrics=dl.metrics)
     mem = PeakMemory()
     time.sleep(2)
     baseline = mem.sample() / 2**20
     mem.reset()
     t0 = time.perf_counter()
-    r = prepare.run(StageContext("prepare", "k", cfg, str(Path(cfg.run.work_dir) / "prepare"), {"download": dl}))
+    r = prepare.run(StageContext(name="prepare", key="k", cfg=cfg, out_dir=str(Path(cfg.run.work_dir) / "prepare"),
+                                 inputs={"download": dl}))
     wall = time.perf_counter() - t0
     mem.stop()
     pairs = r.outputs["splits"]["train"]["num_read"]

@@ -117,7 +117,9 @@ def run_bare(steps, cfg: Config, mc: ModelConfig, device: torch.device, precisio
     t0 = time.perf_counter()
     tokens = 0
     for mbs, n_tgt in steps:
-        accumulate_gradients(model, mbs, n_tgt, 1, LossSettings(cfg.train.label_smoothing, mc.pad_id, autocast))
+        accumulate_gradients(model, mbs, n_tgt, 1,
+                             LossSettings(label_smoothing=cfg.train.label_smoothing, pad_id=mc.pad_id,
+                                          autocast=autocast))
         optimizer_step(model, opt, sched, None, 0.0, want_norm=False)
         tokens += n_tgt
     if device.type == "cuda":

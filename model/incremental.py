@@ -30,7 +30,7 @@ from .padding import Positions, key_padding_to_attn_mask
 Linear = tuple[torch.Tensor, torch.Tensor]  # (W.T contiguous (d_in, d_out), bias)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerWeights:
     """What `decoder_layer_step` reads of a `DecoderLayer`: each Linear as (W.T contiguous
     (d_in, d_out), bias), since for the few rows of a step addmm(b, x, W.T) beats F.linear's
@@ -65,10 +65,12 @@ class LayerWeights:
         def norm(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
             return m.weight, getattr(m, "bias", None)
 
-        return cls(sa.n_heads, sa.heads.hs, layer.norm1.eps, linear(sa.qkv_proj), linear(sa.out_proj),
-                   linear(ca.q_proj), linear(ca.out_proj), linear(ffn.w1), linear(ffn.w2),
-                   norm(layer.norm1), norm(layer.norm2), norm(layer.norm3), layer.pre_norm,
-                   isinstance(layer.norm1, nn.RMSNorm), None if ffn.w3 is None else linear(ffn.w3), sa.rotary)
+        return cls(n_heads=sa.n_heads, hs=sa.heads.hs, eps=layer.norm1.eps, qkv=linear(sa.qkv_proj),
+                   self_out=linear(sa.out_proj),
+                   cross_q=linear(ca.q_proj), cross_out=linear(ca.out_proj), ffn1=linear(ffn.w1), ffn2=linear(ffn.w2),
+                   norm1=norm(layer.norm1), norm2=norm(layer.norm2), norm3=norm(layer.norm3), pre_norm=layer.pre_norm,
+                   rms_norm=isinstance(layer.norm1, nn.RMSNorm), ffn3=None if ffn.w3 is None else linear(ffn.w3),
+                   rotary=sa.rotary)
 
 
 def decoder_layer_step(w: LayerWeights, x: torch.Tensor, cross_kv: torch.Tensor, cross_mask: torch.Tensor,
@@ -127,7 +129,7 @@ def _gather_cache(self_kv: torch.Tensor, indices: torch.Tensor, t: int, out: tor
         torch.index_select(self_kv[:, :, :, :, :t], 2, indices, out=out[:, :, :, :, :t])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DecoderState:
     """Caches for incremental decoding (`decode_step`), updated in place.
 
@@ -197,7 +199,8 @@ def start(model: Any, memory: torch.Tensor, src_pad_mask: torch.Tensor, beam_siz
     layer_weights = None
     if not model.training and heads.uniform:  # the fused step assumes d_k = d_v
         layer_weights = [LayerWeights.of(layer) for layer in layers]
-    return DecoderState(self_kv, cross_kv, key_padding_to_attn_mask(src_pad_mask), output_weight_t, beam_size,
+    return DecoderState(self_kv=self_kv, cross_kv=cross_kv, cross_mask=key_padding_to_attn_mask(src_pad_mask),
+                        output_weight_t=output_weight_t, beam_size=beam_size,
                         layer_weights=layer_weights)
 
 

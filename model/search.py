@@ -193,7 +193,7 @@ def greedy_search(model: DecodingModel, src_ids: torch.Tensor, max_len_a: float 
         return _to_lists(tokens, cfg.eos_id, cfg.pad_id)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Beams:
     """Beam search's state, one row per sentence still searched, k live hypotheses each; dropping
     the finished sentences is `select`.
@@ -228,10 +228,13 @@ class _Beams:
         B, L, device = src_ids.shape[0], int(max_lens.max()), src_ids.device
         scores = torch.full((B, k), -math.inf, device=device)  # cumulative log P
         scores[:, 0] = 0.0  # one live hypothesis at start, so the k beams do not duplicate it
-        return cls(torch.arange(B, device=device), max_lens, gnmt_length_penalty(max_lens.float() + 1, alpha),
-                   src_ids.new_full((B, k, L + 1), pad_id), scores, src_ids.new_full((B, k), pad_id),
-                   torch.zeros((B, k), dtype=torch.long, device=device), src_ids.new_full((B, L + 1), pad_id),
-                   torch.full((B,), -math.inf, device=device), torch.zeros(B, dtype=torch.bool, device=device))
+        return cls(sentence=torch.arange(B, device=device), max_lens=max_lens,
+                   lp_longest=gnmt_length_penalty(max_lens.float() + 1, alpha),
+                   tokens=src_ids.new_full((B, k, L + 1), pad_id), scores=scores, last=src_ids.new_full((B, k), pad_id),
+                   parent=torch.zeros((B, k), dtype=torch.long, device=device),
+                   best_tokens=src_ids.new_full((B, L + 1), pad_id),
+                   best_score=torch.full((B,), -math.inf, device=device),
+                   done=torch.zeros(B, dtype=torch.bool, device=device))
 
     def select(self, keep: torch.Tensor) -> "_Beams":
         """Only the rows (sentences) `keep` (B',) long."""

@@ -46,30 +46,36 @@ _DEV_BLEU = ("eval.average_select", "eval.dev_bleu_sentences", "eval.dev_bleu_en
              "eval.dev_bleu_quantization", "eval.dev_bleu_beam_size", *_DECODE)
 
 STAGES: tuple[Stage, ...] = (
-    Stage("download", "1", _DATA_SOURCE, (), "pipeline.data.download:run", checksum_files=False,
+    Stage(name="download", version="1", reads=_DATA_SOURCE, upstream=(), impl="pipeline.data.download:run",
+          checksum_files=False,
           reads_if=_MIRROR_IF_WMT14, formerly_reads=("data.mirror",)),
-    Stage("prepare", "1", _CLEANING, ("download",), "pipeline.data.prepare:run"),
-    Stage("vocab", "1", ("vocab",), ("prepare",), "pipeline.data.vocab:run"),
-    Stage("encode", "1", (), ("prepare", "vocab"), "pipeline.data.encode:run"),
-    Stage("train", "1", ("model", "train"), ("encode", "vocab"), "pipeline.train.driver:run",
+    Stage(name="prepare", version="1", reads=_CLEANING, upstream=("download",), impl="pipeline.data.prepare:run"),
+    Stage(name="vocab", version="1", reads=("vocab",), upstream=("prepare",), impl="pipeline.data.vocab:run"),
+    Stage(name="encode", version="1", reads=(), upstream=("prepare", "vocab"), impl="pipeline.data.encode:run"),
+    Stage(name="train", version="1", reads=("model", "train"), upstream=("encode", "vocab"),
+          impl="pipeline.train.driver:run",
           resumable=True, checksum_files=False, forget="pipeline.train.driver:forget_run",
           resume="pipeline.train.resume:resume_point"),
     # Selecting by dev BLEU reads the settings that decide those numbers ("last" keeps its key).
-    Stage("average", "1", ("eval.average_last",), ("train",), "pipeline.evaluate.average:run",
+    Stage(name="average", version="1", reads=("eval.average_last",), upstream=("train",),
+          impl="pipeline.evaluate.average:run",
           reads_if=(("eval.average_select", "best_dev_bleu", _DEV_BLEU),)),
-    Stage("export", "1", (), ("average", "vocab"), "pipeline.serve.export:run"),
-    Stage("translate", "1", (*_DECODE, "eval.splits", "eval.max_sentences", "eval.backend", "eval.ct2_quantization"),
-          ("average", "encode", "vocab", "export"), "pipeline.evaluate.translate:run"),
+    Stage(name="export", version="1", reads=(), upstream=("average", "vocab"), impl="pipeline.serve.export:run"),
+    Stage(name="translate", version="1",
+          reads=(*_DECODE, "eval.splits", "eval.max_sentences", "eval.backend", "eval.ct2_quantization"),
+          upstream=("average", "encode", "vocab", "export"), impl="pipeline.evaluate.translate:run"),
     # The report names the pair and test set and picks its Table 2 row from data.* and model.*;
     # it reads the training facts from train and the averaged checkpoints from average, where they are made.
     # With data.preprocess it reads download's raw test reference for the sacreBLEU beside the benchmark's BLEU.
     # Version 2: sacreBLEU and chrF case-insensitive (-lc) for a preprocessed (lowercased) model.
-    Stage("score", "2", ("eval.splits", "eval.max_sentences", "data.source", "data.src_lang", "data.tgt_lang",
+    Stage(name="score", version="2",
+          reads=("eval.splits", "eval.max_sentences", "data.source", "data.src_lang", "data.tgt_lang",
                          "data.dev_src", "data.test_src", "data.preprocess", "eval.attention_sentences", "model"),
-          ("translate", "encode", "average", "train", "download", "vocab"),
-          "pipeline.evaluate.score:run"),
+          upstream=("translate", "encode", "average", "train", "download", "vocab"),
+          impl="pipeline.evaluate.score:run"),
     # The scored model as a version of the MLflow Model Registry (its files and its test scores).
-    Stage("register", "1", (), ("average", "vocab", "export", "score"), "pipeline.serve.register:run",
+    Stage(name="register", version="1", reads=(), upstream=("average", "vocab", "export", "score"),
+          impl="pipeline.serve.register:run",
           checksum_files=False),
 )
 

@@ -51,7 +51,7 @@ class ModelNotFound(ValueError):
     """The named model does not exist, or a stage that makes it has not finished: says which."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelFiles:
     """Where one trained model's files are (local paths or URIs)."""
 
@@ -120,7 +120,8 @@ def from_model_dir(model_dir: str, spm: str) -> ModelFiles:
     if storage.exists(manifest_uri):
         data = storage.read_json(manifest_uri).get("extra", {}).get("resolved_config", {}).get("data", {})
         text = {k: data[k] for k in TEXT_KEYS if k in data}
-    return ModelFiles(storage.join(model_dir, "model.pt"), model_config, spm, origin=model_dir, text=text)
+    return ModelFiles(model=storage.join(model_dir, "model.pt"), model_config=model_config, spm=spm, origin=model_dir,
+                      text=text)
 
 
 def finished_stages(cfg: Any, names: Sequence[str], origin: str,
@@ -151,7 +152,7 @@ def from_config(cfg: Any, origin: str) -> ModelFiles:
     """The ``average`` / ``vocab`` outputs of this config's plan, and its ``export``'s if finished."""
     found = finished_stages(cfg, ["average"], origin)
     avg, vocab = found["average"], found["vocab"]
-    files = ModelFiles(avg.outputs["model"], avg.outputs["model_config"], vocab.outputs["model"],
+    files = ModelFiles(model=avg.outputs["model"], model_config=avg.outputs["model_config"], spm=vocab.outputs["model"],
                        origin=f"{origin} (average {avg.key})",
                        text={k: getattr(cfg.data, k) for k in TEXT_KEYS})
     log.info("model of %s: %s", origin, avg.dir)
@@ -203,7 +204,7 @@ def from_registry(model_uri: str, tracking_uri: str = "", dst: str | None = None
     import os
 
     scores = registry.version_scores(model_uri, tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", ""))
-    return ModelFiles(str(ours / "model.pt"), storage.read_json(str(ours / "model_config.json")),
-                      str(ours / "spm.model"), origin=model_uri, ct2=ct2, text=text,
+    return ModelFiles(model=str(ours / "model.pt"), model_config=storage.read_json(str(ours / "model_config.json")),
+                      spm=str(ours / "spm.model"), origin=model_uri, ct2=ct2, text=text,
                       hf=str(art / "hf") if (art / "hf").is_dir() else "",
                       no_ct2="" if ct2 else "the version holds no CTranslate2 model", scores=scores)

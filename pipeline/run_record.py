@@ -27,7 +27,7 @@ class NoRunRecord(ValueError):
     """No record where one was named, or a file that is not one: says which and what to do."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunRecord:
     config_files: list[str]  # as the run was given them
     overrides: list[str]  # its --section.key=value overrides
@@ -70,8 +70,9 @@ def read(path: str) -> RunRecord:
         cfg = from_dict(data["config"])
     except (ConfigError, KeyError, TypeError) as e:
         raise NoRunRecord(f"{path}: its config no longer loads ({e}); rerun the workflow to record it again") from None
-    return RunRecord(list(data.get("config_files", [])), list(data.get("overrides", [])), cfg,
-                     str(data.get("finished", "?")), str(data.get("tracking_uri", "")))
+    return RunRecord(config_files=list(data.get("config_files", [])), overrides=list(data.get("overrides", [])),
+                     config=cfg,
+                     finished=str(data.get("finished", "?")), tracking_uri=str(data.get("tracking_uri", "")))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

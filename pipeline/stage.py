@@ -48,7 +48,7 @@ class NullTracker:
         pass
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Manifest:
     """A finished stage: where its files are, and what it recorded about them."""
 
@@ -68,7 +68,7 @@ class Manifest:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StageContext:
     """Everything a running stage gets."""
 
@@ -86,7 +86,7 @@ class StageResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Stage:
     name: str
     version: str  # bump when the stage's code changes its output

@@ -30,7 +30,7 @@ class PlanError(RuntimeError):
     """The requested selection cannot run (e.g. ``--only`` without cached inputs)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StagePlan:
     stage: Stage
     key: str
@@ -116,7 +116,7 @@ def make_plan(cfg: Config, only: str | None = None, from_: str | None = None,
             action, reason = "cached", f"done ({manifest.extra.get('finished', '?')})"
         if s.name not in selected and action == "run":
             action = "skip"
-        plans.append(StagePlan(s, keys[s.name], out_dir, action, reason,
+        plans.append(StagePlan(stage=s, key=keys[s.name], out_dir=out_dir, action=action, reason=reason,
                                forced=action == "run" and s.name in forced,
                                manifest=manifest if action == "cached" else None))
         digests[s.name] = manifest_digest(manifest) if (manifest and action == "cached") else None
@@ -196,7 +196,7 @@ def run_stage(cfg: Config, p: StagePlan, fn, inputs: dict[str, Manifest], tracke
     storage.makedirs(p.out_dir)
     started = time.time()
     log.info("stage %s: running (key %s) -> %s", p.stage.name, p.key, p.out_dir)
-    result = fn(StageContext(p.stage.name, p.key, cfg, p.out_dir, inputs, tracker))
+    result = fn(StageContext(name=p.stage.name, key=p.key, cfg=cfg, out_dir=p.out_dir, inputs=inputs, tracker=tracker))
     wall_s = time.time() - started
     files = _file_list(p.out_dir, p.stage.checksum_files)
     manifest = Manifest(

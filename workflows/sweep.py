@@ -39,7 +39,7 @@ class Row:
     tags: dict[str, str] = field(default_factory=dict)  # on the row's MLflow run and its stage runs
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Outcome:
     row: str
     manifests: dict[str, Manifest] | None = None  # None: the row failed
@@ -112,7 +112,7 @@ def run_row(row: Row, sweep_run_id: str | None) -> Outcome:
     """Plan and run one row's DAG under its own MLflow run, nested in the sweep's; never raises."""
     from pipeline.tracking import Tracking
 
-    out = Outcome(row.name, started=time.time())
+    out = Outcome(row=row.name, started=time.time())
     try:
         plans = runner.make_plan(row.cfg)
         log.info("sweep: row %s:\n%s", row.name, runner.format_plan(plans))

@@ -12,7 +12,7 @@ from typing import Any
 from peer import log
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Sides:
     """Both sides' results, as the report reads them."""
 

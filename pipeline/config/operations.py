@@ -24,7 +24,7 @@ def op(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
     return field(default=default, metadata={"cache": False}, **kw)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SpeedConfig:
     """How fast each training step runs on its device: precision, kernels, micro-batches,
     compilation (``speed``). Never part of a cache key: these change the rounding, not the recipe."""
@@ -58,7 +58,7 @@ class SpeedConfig:
         _check(self.max_tokens_per_batch > 0, "speed.max_tokens_per_batch", "must be > 0")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WorkersConfig:
     """The train stage's Ray Train worker group: its size, devices, placement and how it survives
     failures and preemption (``workers``; never part of a cache key)."""
@@ -106,7 +106,7 @@ class WorkersConfig:
         _check(self.controller_poll_s > 0, "workers.controller_poll_s", "must be > 0")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckpointConfig:
     """When the train stage checkpoints, how many it keeps and how they reach storage
     (``checkpoint``; never part of a cache key)."""

@@ -40,7 +40,7 @@ def keyed_if_set(default: Any) -> Any:
     return field(default=default, metadata={"cache": "if_set"})
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DataConfig:
     """Where the parallel text comes from and how it is cleaned (``download``, ``prepare``)."""
 
@@ -94,7 +94,7 @@ class DataConfig:
         _check(self.num_shards >= 1, "data.num_shards", "must be >= 1")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class VocabConfig:
     """The shared SentencePiece model (``vocab``)."""
 
@@ -123,7 +123,7 @@ class ModelSection(ModelSizes):
             raise ConfigError(str(e)) from e
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainConfig:
     """The paper's training recipe (§5): what the train stage's cache key holds (``train``).
 
@@ -182,7 +182,7 @@ class DecodeSettings:
         _check(self.max_len_a >= 0 and self.max_len_b >= 1, f"{prefix}max_len_b", "max length must be >= 1")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EvalConfig(DecodeSettings):
     """Averaging, beam search (``DecodeSettings``'s fields) and scoring (``average``,
     ``translate``, ``score``; §6.1)."""
@@ -233,7 +233,7 @@ class EvalConfig(DecodeSettings):
         parse_resources(self.dev_bleu_resources, "eval.dev_bleu_resources")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunConfig:
     """Where outputs go and how Ray is reached (never part of a cache key)."""
 
@@ -245,7 +245,7 @@ class RunConfig:
     data_concurrency: int = op(1)  # Ray Data actors for encode
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrackingConfig:
     """MLflow: a local SQLite store under the work dir unless a server is named."""
 
@@ -265,7 +265,7 @@ class TrackingConfig:
         _check(self.timeout_s > 0, "tracking.timeout_s", "must be > 0")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)

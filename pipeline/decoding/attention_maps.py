@@ -22,7 +22,7 @@ from pipeline.decoding.attention_heads import all_head_characters
 from pipeline.decoding.positional_view import positional_view
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TranslationAttention:
     """Pieces on the axes and the weights: ``maps[kind]`` is (layers, heads, rows, columns); rows of
     the decoder maps are the output pieces (the query at position t produces piece t), columns of
@@ -68,6 +68,6 @@ def translation_attention(model: Transformer, sp: Any, src_ids: Sequence[int], h
     output as text, re-encoded with the SentencePiece processor `sp`)."""
     pair = teacher_forced(model, sp, src_ids, hypothesis)
     maps = maps_of(record_attention(model, pair.src, pair.tgt_in))
-    return TranslationAttention(pair.src_pieces, pair.tgt_pieces, maps,
-                                all_head_characters(maps, pair.src_pieces, pair.tgt_pieces),
-                                positional_view(model, pair.src))
+    return TranslationAttention(src_pieces=pair.src_pieces, tgt_pieces=pair.tgt_pieces, maps=maps,
+                                heads=all_head_characters(maps, pair.src_pieces, pair.tgt_pieces),
+                                positional=positional_view(model, pair.src))

@@ -83,7 +83,7 @@ SAMPLE_ROWS = 200_000  # rows the batch plan is built from (a uniform sample: th
 SAMPLE_STEPS = 6  # steps counted: one per stratum of the steps sorted by length (steps are length buckets)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Bill:
     """The figures of the bill (every one printed, so the hours can be recomputed from the text)."""
 
@@ -288,7 +288,7 @@ def epoch_shapes(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.nda
             f"{report.format()}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Counted:
     """What every bill counts, whatever machine it prices: the model and its sampled steps."""
 
@@ -320,7 +320,8 @@ def count(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] |
     flops = [step_flops(mc, step, cfg.train.label_smoothing) for step in steps]
     with torch.device("meta"):
         num_params = Transformer(mc).num_parameters()
-    return Counted(num_params, float(np.mean(flops)), steps, busiest, lengths_source, shapes_line)
+    return Counted(num_params=num_params, flops_per_step=float(np.mean(flops)), steps=steps, busiest=busiest,
+                   lengths_source=lengths_source, shapes=shapes_line)
 
 
 def make_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None,

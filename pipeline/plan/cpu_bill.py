@@ -49,7 +49,7 @@ MEASURED_ON = ("the Multi30k tiny recipe's train stage on a 2-core AMD EPYC, fp3
                "\"This CPU's matmul rate and the CPU bill\")")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CpuBill:
     """The figures of a CPU bill (every one printed, so the hours can be recomputed from the text)."""
 
@@ -141,4 +141,5 @@ def make_cpu_bill(cfg: Config, mc: ModelConfig, precision: str, threads: int,
     if worker_range(cfg)[1] > 1:
         notes.append("the share was measured with one worker; more workers on one CPU share its cores")
     checkpoints = -(-cfg.train.max_steps // cfg.checkpoint.interval_steps)  # the last step's checkpoint too
-    return CpuBill(c, cfg.train.max_steps, rate, micro, checkpoints, notes=tuple(notes))
+    return CpuBill(counted=c, max_steps=cfg.train.max_steps, rate=rate, micro=micro, checkpoints=checkpoints,
+                   notes=tuple(notes))

@@ -125,7 +125,7 @@ def time_gemm(g: Gemm, dtype: torch.dtype, repeats: int = 5) -> float:
     return best
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MatmulRate:
     """What `measure` found: each product's rate and the step's."""
 
@@ -179,5 +179,6 @@ def measure(mc: ModelConfig, micro: MicroShape, precision: str, threads: int, la
         gemms = step_gemms(mc, micro, label_smoothing)
         with torch_threads(threads):
             rates = tuple((g, g.flops / time_gemm(g, DTYPES[precision], repeats)) for g in gemms)
-        _measured[key] = MatmulRate(precision, threads, cpu_name(), rates, time.perf_counter() - t0)
+        _measured[key] = MatmulRate(dtype=precision, threads=threads, cpu=cpu_name(), gemms=rates,
+                                    wall_s=time.perf_counter() - t0)
     return _measured[key]

@@ -29,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from model import ModelConfig, NonPad, Transformer, label_smoothed_nll
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MicroShape:
     """The shapes of one padded micro-batch (`token_batches.collate`, row_multiple 1)."""
 
@@ -43,7 +43,7 @@ class MicroShape:
     def of(cls, src_len: np.ndarray, tgt_len: np.ndarray) -> "MicroShape":
         """The micro-batch of pairs with these piece counts."""
         s, t = np.asarray(src_len, np.int64) + 1, np.asarray(tgt_len, np.int64) + 1
-        return cls(len(s), int(s.max()), int(t.max()), int(s.sum()), int(t.sum()))
+        return cls(B=len(s), S=int(s.max()), T=int(t.max()), Ms=int(s.sum()), Mt=int(t.sum()))
 
 
 def count_step_flops(mc: ModelConfig, micro: list[MicroShape], label_smoothing: float = 0.1) -> int:
@@ -123,9 +123,10 @@ def _monomials(m: MicroShape) -> tuple[int, ...]:
 
 
 # Five micro-batches whose monomials are linearly independent, and a sixth to check the form on.
-_PROBES = (MicroShape(1, 2, 3, 2, 3), MicroShape(2, 3, 2, 5, 3), MicroShape(2, 4, 5, 6, 9),
-           MicroShape(3, 2, 4, 6, 10), MicroShape(1, 5, 2, 5, 2))
-_CHECK = MicroShape(3, 7, 6, 15, 14)
+_PROBES = (MicroShape(B=1, S=2, T=3, Ms=2, Mt=3), MicroShape(B=2, S=3, T=2, Ms=5, Mt=3),
+           MicroShape(B=2, S=4, T=5, Ms=6, Mt=9),
+           MicroShape(B=3, S=2, T=4, Ms=6, Mt=10), MicroShape(B=1, S=5, T=2, Ms=5, Mt=2))
+_CHECK = MicroShape(B=3, S=7, T=6, Ms=15, Mt=14)
 _forms: dict[tuple, np.ndarray | None] = {}
 
 

@@ -71,7 +71,7 @@ def real_shape(src_len: np.ndarray, tgt_len: np.ndarray) -> Shape:
     return len(s), int(s.max(initial=1)), int(t.max(initial=1)), int(s.sum()), int(t.sum())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EpochShapes:
     """What `epoch_report` found over one epoch's micro-batches."""
 
@@ -118,4 +118,6 @@ def epoch_report(micro_batches: list[tuple[np.ndarray, np.ndarray]], buckets: Sh
         computed += b[3] + b[4]
         cells += _cells(b)
         real_cells += _cells(r)
-    return EpochShapes(len(micro_batches), len(shapes), len(reals), real, computed, cells, real_cells)
+    return EpochShapes(num_micro_batches=len(micro_batches), num_shapes=len(shapes), num_real_shapes=len(reals),
+                       real_positions=real, computed_positions=computed, attention_cells=cells,
+                       real_attention_cells=real_cells)

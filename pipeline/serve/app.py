@@ -54,7 +54,7 @@ STORE_LOCATION_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "
                       "STORAGE_EMULATOR_HOST", "MLFLOW_TRACKING_URI")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ServeSettings(DecodeSettings):
     """What ``serve run ... key=value`` may set (strings are converted to these types); the decode
     settings (beam_size, alpha, max_len_a, max_len_b) are ``DecodeSettings``'s fields."""

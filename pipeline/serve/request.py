@@ -123,7 +123,7 @@ class ExplainRequest:
     query: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TranslateRequest:
     """A checked request: its sentences and what it asked for beyond them (None: the server's)."""
 
@@ -153,7 +153,8 @@ def parse_translate(body: bytes, max_sentences: int, max_chars: int, max_beam_si
     if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
                               or not 0.0 <= alpha <= MAX_ALPHA):
         raise HTTPException(422, f'"alpha" must be a number from 0 to {MAX_ALPHA}, got {alpha!r}')
-    return TranslateRequest(sentences, attention, beam, None if alpha is None else float(alpha), explain)
+    return TranslateRequest(sentences=sentences, attention=attention, beam_size=beam,
+                            alpha=None if alpha is None else float(alpha), explain=explain)
 
 
 def _explain(value: Any, n_sentences: int) -> ExplainRequest:

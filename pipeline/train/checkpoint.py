@@ -45,7 +45,7 @@ def checkpoint_dir_name(step: int) -> str:
     return f"checkpoint_{step:07d}"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Progress:
     """Where training stands: restored from a checkpoint, continued from there."""
 

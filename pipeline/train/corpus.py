@@ -56,7 +56,7 @@ def _filesystem(dir_uri: str) -> pafs.FileSystem:
     return storage.resolve(dir_uri)[0]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Corpus:
     """A split's id lists, flattened: pair i's source is src_values[src_offsets[i]:src_offsets[i+1]]."""
 
@@ -97,11 +97,12 @@ def load_corpus(dir_uri: str) -> Corpus:
     tables = [pq.read_table(f, columns=list(ID_COLUMNS), filesystem=fs) for f in files]
     if not tables:
         empty = np.zeros(0, np.int32)
-        return Corpus(empty, np.zeros(1, np.int64), empty, np.zeros(1, np.int64))
+        return Corpus(src_values=empty, src_offsets=np.zeros(1, np.int64), tgt_values=empty,
+                      tgt_offsets=np.zeros(1, np.int64))
     table = pa.concat_tables(tables)
     src_values, src_offsets = _flat(table.column("src_ids"))
     tgt_values, tgt_offsets = _flat(table.column("tgt_ids"))
-    return Corpus(src_values, src_offsets, tgt_values, tgt_offsets)
+    return Corpus(src_values=src_values, src_offsets=src_offsets, tgt_values=tgt_values, tgt_offsets=tgt_offsets)
 
 
 _ARRAYS = ("src_values", "src_offsets", "tgt_values", "tgt_offsets", "src_len", "tgt_len")

@@ -260,7 +260,8 @@ class WorkerDevice:
         scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         fused = (FusedOutput(model.output_proj.weight, self.autocast_dtype or torch.float32)
                  if on_for(self.speed.fused_loss, self.device.type) else None)
-        return LossSettings(label_smoothing, pad_id, self.autocast, scaler, fused)
+        return LossSettings(label_smoothing=label_smoothing, pad_id=pad_id, autocast=self.autocast, scaler=scaler,
+                            fused_output=fused)
 
     def compile(self, model: torch.nn.Module) -> torch.nn.Module:
         """What the steps call: `model` compiled when `speed.compile` is on for this device (its graphs

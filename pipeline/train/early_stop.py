@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 HIGHER_IS_BETTER = {"dev_bleu": True, "val_loss": False}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EarlyStop:
     """The rule over one run's validations: the count since the best value; `observe` says when to
     stop (`EarlyStopDecision` applies it in the loop)."""
@@ -119,7 +119,7 @@ class EarlyStopDecision:
 
     def __init__(self, tc: TrainConfig, dev_bleu_dir: str, rank: int):
         self.tc, self.rank = tc, rank
-        self.early = EarlyStop(tc.early_stop_patience, tc.early_stop_metric)
+        self.early = EarlyStop(patience=tc.early_stop_patience, metric=tc.early_stop_metric)
         self.dev_bleu = DevBleuRecords(dev_bleu_dir) if tc.early_stop_metric == "dev_bleu" else None
         self._stop_pending = False  # the resumed count already said stop (decided at the next step)
 

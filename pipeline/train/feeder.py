@@ -25,7 +25,7 @@ from pipeline.train import token_batches
 from pipeline.train.corpus import Corpus
 
 
-@dataclass
+@dataclass(kw_only=True)
 class MicroBatch:
     """One micro-batch's model inputs as torch tensors (`pin`: on the host; `upload`: on the device)."""
 
@@ -47,8 +47,9 @@ def pin(batch: token_batches.Batch, device: torch.device, weight: float = 1.0) -
         x = torch.from_numpy(x)
         return x.pin_memory() if device.type == "cuda" else x
 
-    return MicroBatch(t(batch.src), t(batch.tgt_in), t(batch.tgt_out), weight, t(batch.src_index),
-                      t(batch.tgt_index), t(batch.target))
+    return MicroBatch(src=t(batch.src), tgt_in=t(batch.tgt_in), tgt_out=t(batch.tgt_out), weight=weight,
+                      src_index=t(batch.src_index),
+                      tgt_index=t(batch.tgt_index), target=t(batch.target))
 
 
 def upload(mb: MicroBatch, device: torch.device) -> MicroBatch:
@@ -58,8 +59,9 @@ def upload(mb: MicroBatch, device: torch.device) -> MicroBatch:
     def t(x: torch.Tensor | None) -> torch.Tensor | None:
         return None if x is None else x.to(device, non_blocking=True)
 
-    return MicroBatch(t(mb.src), t(mb.tgt_in), t(mb.tgt_out), mb.weight, t(mb.src_index), t(mb.tgt_index),
-                      t(mb.target))
+    return MicroBatch(src=t(mb.src), tgt_in=t(mb.tgt_in), tgt_out=t(mb.tgt_out), weight=mb.weight,
+                      src_index=t(mb.src_index), tgt_index=t(mb.tgt_index),
+                      target=t(mb.target))
 
 
 def to_device(batch: token_batches.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:

@@ -60,7 +60,7 @@ from pipeline.train.step import accumulate_gradients, distributed, optimizer_ste
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoopSpec:
     """What the driver sends to every worker (JSON-able: Ray's `train_loop_config`)."""
 
@@ -78,7 +78,7 @@ class LoopSpec:
         return dict(self.__dict__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepResult:
     """What one optimizer step did (its sums stay on the device: reading them would sync)."""
 
@@ -91,7 +91,7 @@ class StepResult:
     started: float  # time.perf_counter() when the step began
 
 
-@dataclass
+@dataclass(kw_only=True)
 class LoopState:
     """The loop's mutable state: where training stands, and what this attempt has run since its start."""
 
@@ -224,7 +224,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.loss_settings.scaler, self.tc.clip_norm,
                               self.cadence.logs(self.state.progress.step + 1))
-        return StepResult(loss, nll, lr, norm, host.src_tokens, host.tgt_tokens, started)
+        return StepResult(loss=loss, nll=nll, lr=lr, grad_norm=norm, src_tokens=host.src_tokens,
+                          tgt_tokens=host.tgt_tokens, started=started)
 
     def _early_stop_record(self, agreed: Agreed | None) -> dict[str, Any] | None:
         """The early-stop rule's verdict at this step (its record), from the agreed dev loss or wish."""

@@ -22,7 +22,7 @@ from pipeline.train.checkpoint import Progress
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Window:
     """Sums since the last log line (device tensors: adding them does not sync)."""
 

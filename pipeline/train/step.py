@@ -41,7 +41,7 @@ class FusedOutput:
     dtype: torch.dtype  # what the projection multiplies in: the autocast dtype, or float32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LossSettings:
     """How a micro-batch's loss is computed, the same in the training steps and the dev loss."""
 

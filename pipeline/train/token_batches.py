@@ -26,7 +26,7 @@ class IdLists(Protocol):
     tgt_offsets: np.ndarray
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BatchLayout:
     """How `collate` lays a micro-batch out: the model's special ids and what it pads to."""
 
@@ -40,10 +40,11 @@ class BatchLayout:
     @classmethod
     def of(cls, mc, row_multiple: int = 1, buckets: ShapeBuckets | None = None) -> "BatchLayout":
         """The layout of the model `mc` (a `model.ModelConfig`): its special ids, at most its positions."""
-        return cls(mc.pad_id, mc.bos_id, mc.eos_id, row_multiple, mc.max_positions, buckets)
+        return cls(pad_id=mc.pad_id, bos_id=mc.bos_id, eos_id=mc.eos_id, row_multiple=row_multiple,
+                   max_width=mc.max_positions, buckets=buckets)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Batch:
     """Padded model inputs of one micro-batch (numpy int64)."""
 
@@ -110,7 +111,8 @@ def collate(rows: np.ndarray, data: IdLists, layout: BatchLayout) -> Batch:
     src_index = _prefix_positions(np.pad(s_lens + 1, (0, Bb - B)), S, row_multiple, Ms)
     tgt_index = _prefix_positions(np.pad(t_lens + 1, (0, Bb - B)), T, row_multiple, Mt)
     target = tgt_out.reshape(-1)[tgt_index]
-    return Batch(src, tgt_in, tgt_out, int(s_lens.sum()) + B, int(t_lens.sum()) + B, src_index, tgt_index, target)
+    return Batch(src=src, tgt_in=tgt_in, tgt_out=tgt_out, num_src_tokens=int(s_lens.sum()) + B,
+                 num_tgt_tokens=int(t_lens.sum()) + B, src_index=src_index, tgt_index=tgt_index, target=target)
 
 
 def _width(lens: np.ndarray, row_multiple: int, max_width: int = 0) -> int:

@@ -49,15 +49,15 @@ def _ctx(tiny_model, tiny_export, split_dir, tmp_path, backend: str) -> StageCon
     cfg.eval.batch_tokens = 300  # several batches
     cfg.run.data_num_cpus = 1.0
     inputs = {
-        "average": Manifest("average", "a", tiny_model["model_dir"], {
+        "average": Manifest(stage="average", key="a", dir=tiny_model["model_dir"], outputs={
             "model": tiny_model["model"], "model_config": tiny_model["model_config"]}),
-        "encode": Manifest("encode", "e", "", {"splits": {"test": {"dir": str(split_dir)}}}),
-        "vocab": Manifest("vocab", "v", "", {"model": tiny_model["spm"]}),
-        "export": Manifest("export", "x", "", dict(tiny_export)),
+        "encode": Manifest(stage="encode", key="e", dir="", outputs={"splits": {"test": {"dir": str(split_dir)}}}),
+        "vocab": Manifest(stage="vocab", key="v", dir="", outputs={"model": tiny_model["spm"]}),
+        "export": Manifest(stage="export", key="x", dir="", outputs=dict(tiny_export)),
     }
     out = tmp_path / backend
     out.mkdir()
-    return StageContext("translate", "t", cfg, str(out), inputs)
+    return StageContext(name="translate", key="t", cfg=cfg, out_dir=str(out), inputs=inputs)
 
 
 def test_ctranslate2_backend_writes_our_greedy_hypotheses_in_source_order(

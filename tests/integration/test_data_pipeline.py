@@ -35,8 +35,8 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 def _run(module, name: str, cfg: Config, work: Path, key: str = "k", **inputs: Manifest) -> Manifest:
     out = work / name / key
-    result = module.run(StageContext(name, key, cfg, str(out), inputs=inputs))
-    return Manifest(name, key, str(out), result.outputs, result.metrics)
+    result = module.run(StageContext(name=name, key=key, cfg=cfg, out_dir=str(out), inputs=inputs))
+    return Manifest(stage=name, key=key, dir=str(out), outputs=result.outputs, metrics=result.metrics)
 
 
 def _read_split(d: str) -> pa.Table:

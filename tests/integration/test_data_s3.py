@@ -29,7 +29,8 @@ def test_download_and_prepare_on_s3(s3, mirror_dir, tmp_path):
     cfg = Config()
     cfg.data.mirror = mirror
     cfg.run.work_dir = s3.uri("wd")
-    out = download.run(StageContext("download", "k", cfg, s3.uri("wd/download/k"), {})).outputs
+    out = download.run(StageContext(name="download", key="k", cfg=cfg, out_dir=s3.uri("wd/download/k"),
+                                    inputs={})).outputs
     assert out["test"]["src"] == s3.uri("wd/download/k/test/newstest2014/newstest2014-deen-src.en.sgm")
     assert "wd/download/k/dev/newstest2013/newstest2013.de" in s3.keys("wd/download/k/")
 

@@ -116,8 +116,8 @@ def test_a_failing_validation_task_leaves_the_run_finishing(work, tmp_path):
                       + [f"--run.work_dir={tmp_path / 'work'}", "--train.max_steps=80", "--tracking.enabled=false"])
     encode, vocab = _manifest(work, "encode"), _manifest(work, "vocab")
     vocab.outputs = {**vocab.outputs, "model": str(bad_spm)}
-    ctx = StageContext("train", "failing-validation", cfg, str(tmp_path / "work" / "train" / "k"),
-                       {"encode": encode, "vocab": vocab})
+    ctx = StageContext(name="train", key="failing-validation", cfg=cfg, out_dir=str(tmp_path / "work" / "train" / "k"),
+                       inputs={"encode": encode, "vocab": vocab})
     result = train_stage.run(ctx)
 
     assert result.outputs["final_step"] == 80 and len(result.outputs["checkpoints"]) == 2

@@ -188,10 +188,10 @@ def test_export_stage_writes_the_folders_and_logs_them_to_its_mlflow_run(tiny_mo
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     run = client.create_run(client.create_experiment("export-test", artifact_location=str(tmp_path / "art")))
-    inputs = {"average": Manifest("average", "a", tiny_model["model_dir"], {
+    inputs = {"average": Manifest(stage="average", key="a", dir=tiny_model["model_dir"], outputs={
                   "model": tiny_model["model"], "model_config": tiny_model["model_config"], "averaged": ["c"]}),
-              "vocab": Manifest("vocab", "v", "", {"model": tiny_model["spm"]})}
-    ctx = StageContext("export", "k", Config(), str(tmp_path / "export"), inputs,
+              "vocab": Manifest(stage="vocab", key="v", dir="", outputs={"model": tiny_model["spm"]})}
+    ctx = StageContext(name="export", key="k", cfg=Config(), out_dir=str(tmp_path / "export"), inputs=inputs,
                        tracker=RunLogger(uri, run.info.run_id))
     res = export.run(ctx)
     assert set(res.outputs) >= {"hf", "ct2_float32", "ct2_int8"}

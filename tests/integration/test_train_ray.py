@@ -57,10 +57,11 @@ def make_config(work_dir: Path, **train_overrides) -> Config:
 
 def make_context(cfg: Config, key: str, shards, tracker=None) -> StageContext:
     splits = {"train": {"dir": str(shards[0])}, "dev": {"dir": str(shards[1])}}
-    inputs = {"encode": Manifest("encode", "e", str(shards[0].parent), {"splits": splits}),
-              "vocab": Manifest("vocab", "v", str(shards[0].parent),
-                                {"vocab_size": VOCAB, "pad_id": 0, "bos_id": 2, "eos_id": 3})}
-    ctx = StageContext("train", key, cfg, str(Path(cfg.run.work_dir) / "train" / key), inputs)
+    inputs = {"encode": Manifest(stage="encode", key="e", dir=str(shards[0].parent), outputs={"splits": splits}),
+              "vocab": Manifest(stage="vocab", key="v", dir=str(shards[0].parent),
+                                outputs={"vocab_size": VOCAB, "pad_id": 0, "bos_id": 2, "eos_id": 3})}
+    ctx = StageContext(name="train", key=key, cfg=cfg, out_dir=str(Path(cfg.run.work_dir) / "train" / key),
+                       inputs=inputs)
     if tracker is not None:
         ctx.tracker = tracker
     return ctx

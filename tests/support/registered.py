@@ -10,13 +10,15 @@ NAME = "transformer-base-en-de"  # Config()'s model section is Table 3 base
 
 
 def _manifests(tiny_model, tiny_export, finished: str) -> dict[str, Manifest]:
-    return {"average": Manifest("average", "avgkey", tiny_model["model_dir"],
-                                {"model": tiny_model["model"], "model_config": tiny_model["model_config"]},
+    return {"average": Manifest(stage="average", key="avgkey", dir=tiny_model["model_dir"],
+                                outputs={"model": tiny_model["model"], "model_config": tiny_model["model_config"]},
                                 extra={"upstream_keys": {"train": "trainkey"}}),
-            "vocab": Manifest("vocab", "vocabkey", "", {"model": tiny_model["spm"]}),
-            "export": Manifest("export", "exportkey", "", {**tiny_export, "model_config": tiny_model["model_config"]},
+            "vocab": Manifest(stage="vocab", key="vocabkey", dir="", outputs={"model": tiny_model["spm"]}),
+            "export": Manifest(stage="export", key="exportkey", dir="",
+                               outputs={**tiny_export, "model_config": tiny_model["model_config"]},
                                extra={"finished": finished}),
-            "score": Manifest("score", "scorekey", "", {"scores": {"test": {"bleu_sacre": 1.5, "chrf": 20.25}}})}
+            "score": Manifest(stage="score", key="scorekey", dir="",
+                              outputs={"scores": {"test": {"bleu_sacre": 1.5, "chrf": 20.25}}})}
 
 
 def register_tiny(uri: str, tiny_model, tiny_export, tmp_path, finished: str = "2026-12-01T10:00:00") -> dict:
@@ -32,7 +34,8 @@ def register_tiny(uri: str, tiny_model, tiny_export, tmp_path, finished: str = "
     run = client.create_run(exp_id)
     cfg = Config()
     cfg.eval.beam_size = 1  # greedy: comparable with our greedy_search
-    ctx = StageContext("register", "k", cfg, str(tmp_path / "register"), _manifests(tiny_model, tiny_export, finished),
+    ctx = StageContext(name="register", key="k", cfg=cfg, out_dir=str(tmp_path / "register"),
+                       inputs=_manifests(tiny_model, tiny_export, finished),
                        tracker=RunLogger(uri, run.info.run_id))
     out = register.run(ctx).outputs
     client.set_terminated(run.info.run_id)

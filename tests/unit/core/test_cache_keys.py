@@ -68,7 +68,8 @@ def test_a_work_dir_made_under_the_former_rule_is_used_as_it_is(tmp_path, monkey
                "average": {"model": "/old/avg/model.pt", "model_config": {"vocab_size": 100}}}
     done: dict = {}
     for stage in STAGES[: ORDER.index("average") + 1]:  # the runner writes each at its former key
-        p = runner.StagePlan(stage, old[stage.name], stage_dir(cfg, stage.name, old[stage.name]), "run", "before")
+        p = runner.StagePlan(stage=stage, key=old[stage.name], out_dir=stage_dir(cfg, stage.name, old[stage.name]),
+                             action="run", reason="before")
         result = StageResult(outputs=outputs.get(stage.name, {}))
         done[stage.name] = runner.run_stage(cfg, p, lambda ctx, r=result: r, {u: done[u] for u in stage.upstream},
                                             NullTracker())

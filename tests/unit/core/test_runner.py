@@ -121,7 +121,7 @@ def test_a_half_written_stage_is_not_done(tmp_path, calls):
 def test_unknown_stage_and_missing_implementation(tmp_path, monkeypatch):
     with pytest.raises(runner.PlanError, match="unknown stage 'trian'"):
         runner.make_plan(cfg_for(tmp_path), only="trian")
-    stage = Stage("x", "1", (), (), "pipeline.does_not_exist:run")
+    stage = Stage(name="x", version="1", reads=(), upstream=(), impl="pipeline.does_not_exist:run")
     with pytest.raises(NotImplementedStage, match="not implemented"):
         stage.load()
 

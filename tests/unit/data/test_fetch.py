@@ -131,7 +131,7 @@ def test_gzip_members_are_decompressed_or_copied_as_asked(mirror_dir, tmp_path):
 
 
 def _ctx(cfg: Config, out: Path) -> StageContext:
-    return StageContext("download", "k", cfg, str(out), inputs={})
+    return StageContext(name="download", key="k", cfg=cfg, out_dir=str(out), inputs={})
 
 
 def test_download_stage_from_a_local_mirror(mirror_dir, tmp_path):

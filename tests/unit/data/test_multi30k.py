@@ -43,7 +43,7 @@ def _cfg(mirror: str, work: Path) -> Config:
 
 
 def _run(cfg: Config, out: Path) -> dict:
-    return download.run(StageContext("download", "k", cfg, str(out), inputs={})).outputs
+    return download.run(StageContext(name="download", key="k", cfg=cfg, out_dir=str(out), inputs={})).outputs
 
 
 def test_registry_urls_are_pinned_and_checksummed(multi30k_dir):

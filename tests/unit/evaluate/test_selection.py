@@ -47,12 +47,12 @@ def _history(tmp_path, bleus: list[float], settings: dict) -> tuple[list[str], s
 
 
 def _ctx(tmp_path, cfg: Config, ckpts: list[str], run_dir: str) -> StageContext:
-    train = Manifest("train", "t", str(tmp_path / "train"),
-                     {"checkpoints": ckpts, "final_step": 100 * len(ckpts), "model_config": TINY.to_dict(),
+    train = Manifest(stage="train", key="t", dir=str(tmp_path / "train"),
+                     outputs={"checkpoints": ckpts, "final_step": 100 * len(ckpts), "model_config": TINY.to_dict(),
                       "storage_path": str(tmp_path / "ray_train"), "run_name": "run",
                       "dev_bleu": {"run_dir": run_dir, "dev_dir": "", "spm": ""}})
     (tmp_path / "average").mkdir(exist_ok=True)
-    return StageContext("average", "a", cfg, str(tmp_path / "average"), {"train": train})
+    return StageContext(name="average", key="a", cfg=cfg, out_dir=str(tmp_path / "average"), inputs={"train": train})
 
 
 def test_average_by_best_dev_bleu_on_a_crafted_history(tmp_path):

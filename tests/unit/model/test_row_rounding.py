@@ -24,7 +24,10 @@ def test_loss_and_gradients_with_rounded_rows_equal_the_unrounded_ones():
     so, to = np.concatenate([[0], np.cumsum(src_lens)]), np.concatenate([[0], np.cumsum(tgt_lens)])
 
     def loss_and_grads(multiple: int):
-        b = to_device(token_batches.collate(np.arange(7), Corpus(sv, so, tv, to), BatchLayout(0, 2, 3, row_multiple=multiple)), torch.device("cpu"))
+        b = to_device(token_batches.collate(np.arange(7),
+                                            Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
+                                            BatchLayout(pad_id=0, bos_id=2, eos_id=3, row_multiple=multiple)),
+                      torch.device("cpu"))
         model.zero_grad()
         logits = model.logits(model(b.src, b.tgt_in, NonPad(b.src_index, b.tgt_index)))
         loss, nll = label_smoothed_nll(logits, b.target, epsilon=0.1, ignore_index=0)
@@ -38,7 +41,8 @@ def test_loss_and_gradients_with_rounded_rows_equal_the_unrounded_ones():
     for a, b in zip(g1, g64):
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
 
-    b = token_batches.collate(np.arange(7), Corpus(sv, so, tv, to), BatchLayout(0, 2, 3))  # reference: full logits, pad ignored
+    b = token_batches.collate(np.arange(7), Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
+                              BatchLayout(pad_id=0, bos_id=2, eos_id=3))  # reference: full logits, pad ignored
     full = model.logits(model(torch.from_numpy(b.src), torch.from_numpy(b.tgt_in)))
     ref, _ = label_smoothed_nll(full.reshape(-1, 40), torch.from_numpy(b.tgt_out).reshape(-1), epsilon=0.1,
                                 ignore_index=0)

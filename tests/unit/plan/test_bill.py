@@ -157,8 +157,9 @@ def test_plan_bills_with_the_cached_encode_stage_and_the_run_logs_it(tmp_path):
     train_dir = write_reverse_task(tmp_path / "train", 400, 64, seed=0, length_jitter=3)
     plans = make_plan(cfg)
     by = {p.stage.name: p for p in plans}
-    by["vocab"].manifest = Manifest("vocab", by["vocab"].key, "", {"vocab_size": 64})
-    by["encode"].manifest = Manifest("encode", by["encode"].key, "", {"splits": {"train": {"dir": str(train_dir)}}})
+    by["vocab"].manifest = Manifest(stage="vocab", key=by["vocab"].key, dir="", outputs={"vocab_size": 64})
+    by["encode"].manifest = Manifest(stage="encode", key=by["encode"].key, dir="",
+                                     outputs={"splits": {"train": {"dir": str(train_dir)}}})
     text = format_bill(cfg, plans, gpu_check_json(tmp_path))
     assert "the encode stage's 400 training pairs" in text and "2 x A100" in text
     assert "measured: gpu_check 'train base eager'" in text and "applied to A100" in text

@@ -64,7 +64,7 @@ def test_the_steps_rate_is_its_flops_over_its_seconds_at_each_products_rate():
     (160 ms): 16 GFLOP in 240 ms, 66.7 GFLOP/s (not the 75 of a plain mean)."""
     a = Gemm(((1000, 1000), (1000, 1)), ((1000, 1000), (1000, 1)), False, 4)
     b = Gemm(((2000, 1000), (1000, 1)), ((1000, 2000), (1, 1000)), True, 1)
-    rate = MatmulRate("fp32", 2, "a CPU", ((a, 100e9), (b, 50e9)), 0.1)
+    rate = MatmulRate(dtype="fp32", threads=2, cpu="a CPU", gemms=((a, 100e9), (b, 50e9)), wall_s=0.1)
     assert (a.flops, b.flops) == (2e9, 4e9 * 2)
     assert rate.seconds == pytest.approx(0.24) and rate.rate == pytest.approx(16e9 / 0.24)
     assert b.label() == "2000x1000 @ 1000x2000ᵀ + bias"
@@ -87,7 +87,7 @@ def test_the_printed_hours_follow_from_an_injected_rate():
     cfg = load_config(None, SMALL)
     mc = ModelConfig(vocab_size=500, d_model=64, d_ff=128, n_heads=2)
     g = Gemm(((100, 64), (64, 1)), ((64, 500), (1, 64)), False)
-    fake = MatmulRate("fp32", 3, "Fake CPU 9000", ((g, 50e9),), 0.5)
+    fake = MatmulRate(dtype="fp32", threads=3, cpu="Fake CPU 9000", gemms=((g, 50e9),), wall_s=0.5)
     b = cpu_bill.make_cpu_bill(cfg, mc, "fp32", 3, rate=fake)
     text = b.format()
     assert text.startswith("bill of the train stage: this CPU (Fake CPU 9000): 3 thread(s), fp32, measured 50.0 "
@@ -138,8 +138,9 @@ def test_plan_and_the_run_bill_this_cpu_and_a_gpu_config_still_bills_gpus(tmp_pa
     train_dir = write_reverse_task(tmp_path / "train", 400, 64, seed=0, length_jitter=3)
     plans = make_plan(cfg)
     by = {p.stage.name: p for p in plans}
-    by["vocab"].manifest = Manifest("vocab", by["vocab"].key, "", {"vocab_size": 64})
-    by["encode"].manifest = Manifest("encode", by["encode"].key, "", {"splits": {"train": {"dir": str(train_dir)}}})
+    by["vocab"].manifest = Manifest(stage="vocab", key=by["vocab"].key, dir="", outputs={"vocab_size": 64})
+    by["encode"].manifest = Manifest(stage="encode", key=by["encode"].key, dir="",
+                                     outputs={"splits": {"train": {"dir": str(train_dir)}}})
     text = format_bill(cfg, plans)
     precision, threads = local_cpu_training(cfg)
     assert text.startswith(f"bill of the train stage: this CPU ({cpu_rate.cpu_name()}): {threads} thread(s), "

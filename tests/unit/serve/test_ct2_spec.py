@@ -116,10 +116,11 @@ def test_the_export_stage_writes_ctranslate2_models_only_and_register_says_why(c
     from pipeline.serve import export, register
     from pipeline.stage import Manifest, StageContext
 
-    inputs = {"average": Manifest("average", "a", checkpoint["folder"], {
+    inputs = {"average": Manifest(stage="average", key="a", dir=checkpoint["folder"], outputs={
                   "model": str(Path(checkpoint["folder"]) / "model.pt"), "model_config": checkpoint["model_config"]}),
-              "vocab": Manifest("vocab", "v", "", {"model": checkpoint["spm"]})}
-    res = export.run(StageContext("export", "k", Config(), str(tmp_path / "export"), inputs))
+              "vocab": Manifest(stage="vocab", key="v", dir="", outputs={"model": checkpoint["spm"]})}
+    res = export.run(StageContext(name="export", key="k", cfg=Config(), out_dir=str(tmp_path / "export"),
+                                  inputs=inputs))
     assert {"ct2_float32", "ct2_int8"} <= set(res.outputs) and "hf" not in res.outputs
     assert "model.norm_position = 'pre'" in res.outputs["hf_not_exported"]
     ctranslate2.Translator(res.outputs["ct2_int8"], device="cpu")  # loads
@@ -127,8 +128,10 @@ def test_the_export_stage_writes_ctranslate2_models_only_and_register_says_why(c
     class _Tracker:
         run_id, tracking_uri = "run", "sqlite://"
 
-    inputs.update(export=Manifest("export", "e", "", res.outputs), score=Manifest("score", "s", "", {}))
-    out = register.run(StageContext("register", "r", Config(), str(tmp_path / "reg"), inputs, tracker=_Tracker()))
+    inputs.update(export=Manifest(stage="export", key="e", dir="", outputs=res.outputs),
+                  score=Manifest(stage="score", key="s", dir="", outputs={}))
+    out = register.run(StageContext(name="register", key="r", cfg=Config(), out_dir=str(tmp_path / "reg"),
+                                    inputs=inputs, tracker=_Tracker()))
     assert out.outputs["registered"] is False and "Hugging Face" in out.outputs["reason"]
 
 

@@ -142,8 +142,9 @@ def test_each_bad_explain_request_is_refused_by_name(body, words):
 
 
 def test_a_translate_request_with_its_options():
-    assert _translate(b'{"text": ["a\\tb"]}') == TranslateRequest(["a\tb"])  # a tab is text
+    assert _translate(b'{"text": ["a\\tb"]}') == TranslateRequest(sentences=["a\tb"])  # a tab is text
     got = _translate(b'{"text": ["Hallo"], "attention": true, "beam_size": 8, "alpha": 1}')
-    assert got == TranslateRequest(["Hallo"], True, 8, 1.0) and isinstance(got.alpha, float)
+    assert got == TranslateRequest(sentences=["Hallo"], attention=True, beam_size=8,
+                                   alpha=1.0) and isinstance(got.alpha, float)
     got = _translate(_with_explain({"query": 3, "head": 0, "layer": 5, "kind": "decoder_self"}))
-    assert got == TranslateRequest(["a"], explain=ExplainRequest("decoder_self", 5, 0, 3))
+    assert got == TranslateRequest(sentences=["a"], explain=ExplainRequest("decoder_self", 5, 0, 3))

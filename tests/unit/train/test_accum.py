@@ -36,7 +36,9 @@ def fixed_rows(n: int = 16, seed: int = 0):
 
 
 def micro(data, rows) -> MicroBatch:
-    b = token_batches.collate(np.asarray(rows), Corpus(*data), BatchLayout(pad_id=0, bos_id=2, eos_id=3))
+    b = token_batches.collate(np.asarray(rows),
+                              Corpus(**dict(zip(("src_values", "src_offsets", "tgt_values", "tgt_offsets"), data))),
+                              BatchLayout(pad_id=0, bos_id=2, eos_id=3))
     return to_device(b, torch.device("cpu"))
 
 
@@ -58,7 +60,8 @@ def test_four_micro_batches_equal_one_big_batch():
     torch.manual_seed(0)
     model = Transformer(MC)
     chunks = [micro(data, rows[i:i + 4]) for i in range(0, 16, 4)]
-    loss, nll = accumulate_gradients(model, chunks, n_tokens, world_size=1, settings=LossSettings(0.1, pad_id=0))
+    loss, nll = accumulate_gradients(model, chunks, n_tokens, world_size=1,
+                                     settings=LossSettings(label_smoothing=0.1, pad_id=0))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-7, msg=name)
     assert loss.item() > nll.item() > 0
@@ -74,7 +77,7 @@ def test_a_zero_weight_stand_in_adds_nothing():
     stand_in = micro(data, rows[:1])
     stand_in.weight = 0.0
     accumulate_gradients(model, [micro(data, rows), stand_in], n_tokens, world_size=1,
-                         settings=LossSettings(0.1, pad_id=0))
+                         settings=LossSettings(label_smoothing=0.1, pad_id=0))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-7, msg=name)
 
@@ -92,7 +95,7 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.manual_seed(0)
         model = DDP(Transformer(MC))
         accumulate_gradients(model, [micro(data, c) for c in mine], n_tokens, world_size=world,
-                             settings=LossSettings(0.1, pad_id=0))
+                             settings=LossSettings(label_smoothing=0.1, pad_id=0))
         grads = {n.removeprefix("module."): p.grad for n, p in model.named_parameters()}
         torch.save(grads, os.path.join(out_dir, f"grads_{rank}.pt"))
     finally:

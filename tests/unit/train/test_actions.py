@@ -77,7 +77,7 @@ def test_advance_counts_a_step_in_the_window_and_the_progress():
     state = LoopState()
     state.begin()
     for loss in (3.0, 2.0):
-        state.advance(StepResult(torch.tensor(loss), torch.tensor(loss - 1), lr=1e-3, grad_norm=None,
+        state.advance(StepResult(loss=torch.tensor(loss), nll=torch.tensor(loss - 1), lr=1e-3, grad_norm=None,
                                  src_tokens=40, tgt_tokens=50, started=0.0))
     p, w = state.progress, state.window
     assert (p.step, p.step_in_epoch, p.tokens_src, p.tokens_tgt) == (2, 2, 80, 100)

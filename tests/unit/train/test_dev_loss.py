@@ -47,7 +47,7 @@ def corpus_of(pairs) -> Corpus:
 
     sv, so = flat([p[0] for p in pairs])
     tv, to = flat([p[1] for p in pairs])
-    return Corpus(sv, so, tv, to)
+    return Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,8 @@ def evaluate(v: DevLoss, model: Transformer) -> dict[str, float] | None:
 
 
 def validator(pairs, mc, rank: int, world: int, max_tokens: int, buckets=None, fused_output=None) -> DevLoss:
-    loss = LossSettings(EPS, mc.pad_id, contextlib.nullcontext, fused_output=fused_output)
+    loss = LossSettings(label_smoothing=EPS, pad_id=mc.pad_id, autocast=contextlib.nullcontext,
+                        fused_output=fused_output)
     return DevLoss(corpus_of(pairs), mc, max_tokens, loss, rank, world, CPU, buckets)
 
 

@@ -38,9 +38,9 @@ def test_a_scripted_sequence_stops_at_the_patience_th_validation_without_improve
 
 
 def test_replay_continues_the_count_where_the_log_left_it():
-    straight = EarlyStop(3, "dev_bleu")
+    straight = EarlyStop(patience=3, metric="dev_bleu")
     expected = [straight.observe(4 * (i + 1), v) for i, v in enumerate(BLEU)].index(True)
-    resumed = EarlyStop(3, "dev_bleu")
+    resumed = EarlyStop(patience=3, metric="dev_bleu")
     logged = [(4 * (i + 1), v) for i, v in enumerate(BLEU)]
     assert resumed.replay(logged, up_to=12) is False  # restored at step 12: 10, 12, 11 seen
     assert resumed.num_bad == 1

@@ -38,7 +38,9 @@ def steps(tmp_path_factory) -> list[list]:
     out = []
     for g in plan:
         split = step_groups.split_step(g, d.src_len, d.tgt_len, 1, 200)
-        out.append([to_device(token_batches.collate(c, d, BatchLayout(MC.pad_id, MC.bos_id, MC.eos_id)), torch.device("cpu"))
+        out.append([to_device(token_batches.collate(c, d,
+                                                    BatchLayout(pad_id=MC.pad_id, bos_id=MC.bos_id, eos_id=MC.eos_id)),
+                              torch.device("cpu"))
                     for c in split.chunks[0]])
     return out
 
@@ -55,7 +57,9 @@ def train(parts, steps, autocast) -> list[float]:
     losses = []
     for micro in steps:
         tgt = sum(int((mb.tgt_out != MC.pad_id).sum()) for mb in micro)
-        loss, _ = accumulate_gradients(model, micro, tgt, 1, LossSettings(0.1, MC.pad_id, autocast, scaler))
+        loss, _ = accumulate_gradients(model, micro, tgt, 1,
+                                       LossSettings(label_smoothing=0.1, pad_id=MC.pad_id, autocast=autocast,
+                                                    scaler=scaler))
         optimizer_step(model, opt, sched, scaler, 0.0, False)
         losses.append(float(loss) / tgt)
     return losses

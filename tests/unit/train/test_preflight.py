@@ -34,10 +34,11 @@ def context(tmp_path, train_dir, dev_dir="", **overrides) -> StageContext:
     splits = {"train": {"dir": str(train_dir)}}
     if dev_dir:
         splits["dev"] = {"dir": str(dev_dir)}
-    inputs = {"encode": Manifest("encode", "e", str(tmp_path), {"splits": splits}),
-              "vocab": Manifest("vocab", "v", str(tmp_path), {"vocab_size": VOCAB, "pad_id": 0, "bos_id": 2,
+    inputs = {"encode": Manifest(stage="encode", key="e", dir=str(tmp_path), outputs={"splits": splits}),
+              "vocab": Manifest(stage="vocab", key="v", dir=str(tmp_path),
+                                outputs={"vocab_size": VOCAB, "pad_id": 0, "bos_id": 2,
                                                               "eos_id": 3})}
-    return StageContext("train", "key", cfg, str(tmp_path / "out"), inputs)
+    return StageContext(name="train", key="key", cfg=cfg, out_dir=str(tmp_path / "out"), inputs=inputs)
 
 
 def test_ids_outside_the_vocabulary(tmp_path):

@@ -37,8 +37,10 @@ def _batch(rows=(0, 5, 7, 11)) -> token_batches.Batch:
     lens = rng.integers(1, 9, size=12)
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     values = rng.integers(4, 50, size=int(offsets[-1])).astype(np.int32)
-    return token_batches.collate(np.asarray(rows), Corpus(values, offsets, values[::-1].copy(), offsets),
-                                 BatchLayout(PAD, BOS, EOS))
+    return token_batches.collate(np.asarray(rows),
+                                 Corpus(src_values=values, src_offsets=offsets, tgt_values=values[::-1].copy(),
+                                        tgt_offsets=offsets),
+                                 BatchLayout(pad_id=PAD, bos_id=BOS, eos_id=EOS))
 
 
 def test_collate_indices_equal_what_the_device_would_compute():
@@ -85,12 +87,13 @@ def test_a_training_step_has_no_host_sync():
                                     n_decoder_layers=1, dropout=0.1))
     micro = [to_device(_batch(), torch.device("cpu"))]
     with _SyncingOps() as ops:
-        accumulate_gradients(model, micro, micro[0].target.numel(), 1, LossSettings(0.1, PAD))
+        accumulate_gradients(model, micro, micro[0].target.numel(), 1, LossSettings(label_smoothing=0.1, pad_id=PAD))
     assert ops.seen == []
     # The check can fail: without the host-side indices the model finds them on the device.
     micro[0].src_index = micro[0].tgt_index = micro[0].target = None
     with _SyncingOps() as ops:
-        accumulate_gradients(model, micro, int((micro[0].tgt_out != PAD).sum()), 1, LossSettings(0.1, PAD))
+        accumulate_gradients(model, micro, int((micro[0].tgt_out != PAD).sum()), 1,
+                             LossSettings(label_smoothing=0.1, pad_id=PAD))
     assert "nonzero" in ops.seen
 
 

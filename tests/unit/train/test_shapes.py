@@ -54,8 +54,10 @@ def _corpus(n: int = 60, seed: int = 0):
 def test_bucketed_collate_pads_to_the_shape_and_keeps_the_real_tokens():
     sv, so, tv, to = _corpus()
     rows = np.array([3, 7, 11, 19, 23])
-    plain = token_batches.collate(rows, Corpus(sv, so, tv, to), BatchLayout(0, 2, 3))
-    b = token_batches.collate(rows, Corpus(sv, so, tv, to), BatchLayout(0, 2, 3, buckets=ShapeBuckets()))
+    plain = token_batches.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
+                                  BatchLayout(pad_id=0, bos_id=2, eos_id=3))
+    b = token_batches.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
+                              BatchLayout(pad_id=0, bos_id=2, eos_id=3, buckets=ShapeBuckets()))
     want = ShapeBuckets().shape(*real_shape(so[rows + 1] - so[rows], to[rows + 1] - to[rows]))
     assert b.src.shape + b.tgt_in.shape[1:] + (len(b.src_index), len(b.tgt_index)) == want
     B, S, T = len(rows), plain.src.shape[1], plain.tgt_in.shape[1]
@@ -78,10 +80,11 @@ def test_a_bucketed_step_has_the_loss_and_gradients_of_the_unpadded_one():
     rows = np.array([1, 2, 5, 8, 13, 21, 34])
     results = []
     for buckets in (None, ShapeBuckets()):
-        b = token_batches.collate(rows, Corpus(sv, so, tv, to), BatchLayout(mc.pad_id, mc.bos_id, mc.eos_id, buckets=buckets))
+        b = token_batches.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
+                                  BatchLayout(pad_id=mc.pad_id, bos_id=mc.bos_id, eos_id=mc.eos_id, buckets=buckets))
         model.zero_grad()
         loss, nll = accumulate_gradients(model, [to_device(b, torch.device("cpu"))], b.num_tgt_tokens, 1,
-                                         LossSettings(0.1, mc.pad_id))
+                                         LossSettings(label_smoothing=0.1, pad_id=mc.pad_id))
         results.append((loss, nll, [p.grad.clone() for p in model.parameters()], b.src.shape))
     (l0, n0, g0, s0), (l1, n1, g1, s1) = results
     assert s1[0] > s0[0] and s1[1] > s0[1]  # padded: rows and columns added
