@@ -52,8 +52,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from model import ModelConfig  # noqa: E402
+from pipeline.batch_plan import step_groups  # noqa: E402
 from pipeline.config import Config  # noqa: E402
-from pipeline.plan import step_groups  # noqa: E402
 from pipeline.plan.flops import MicroShape, count_step_flops  # noqa: E402
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer  # noqa: E402
 import scale_bench  # noqa: E402

@@ -171,7 +171,7 @@ def child(args: argparse.Namespace) -> None:
     """One worker of the real loop; prints its figures as JSON on the last line."""
     import torch
 
-    from pipeline.plan import step_groups
+    from pipeline.batch_plan import step_groups
     from pipeline.train import loop
 
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """Token-bucket packing, the one definition: positions grouped by length under a padded-token cap.
 
 Used by decoding's batches (``pipeline.decoding.batching.plan_batches``) and the dev loss's
-(``pipeline.plan.step_groups.plan_eval_batches``). Pure Python on a list of
+(``pipeline.batch_plan.step_groups.plan_eval_batches``). Pure Python on a list of
 lengths, so any phase can import it (the core imports no stage).
 """
 

@@ -131,7 +131,7 @@ def _check_shared_storage(cfg: Config, cluster: Cluster, mounts: str) -> None:
 
 
 def _check_train_workers(cfg: Config, cluster: Cluster) -> None:
-    from pipeline.plan.step_groups import worker_range
+    from pipeline.batch_plan.step_groups import worker_range
     from pipeline.train.dev_bleu_validation import task_resources
     from pipeline.train.driver import cpus_per_worker
 

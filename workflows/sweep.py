@@ -65,7 +65,7 @@ def default_concurrency(cfgs: list[Config]) -> int:
     [min, max] counts at its max (what the row trains with when the cluster lets it)."""
     import ray
 
-    from pipeline.plan.step_groups import worker_range
+    from pipeline.batch_plan.step_groups import worker_range
     from pipeline.train.driver import cpus_per_worker, gpu_training
 
     nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]

@@ -40,7 +40,7 @@ class SpeedConfig:
     # kernel launches there), eager on a CPU (compiling costs minutes there and gains little).
     compile: bool | Auto = op("auto")
     compile_backend: str = op("inductor")  # torch.compile backend ("aot_eager": capture only, for tests)
-    # Micro-batches padded to a few fixed shapes (pipeline/plan/shapes.py): "auto" = on a GPU, where
+    # Micro-batches padded to a few fixed shapes (pipeline/batch_plan/shapes.py): "auto" = on a GPU, where
     # every new shape costs a cuDNN attention plan and GEMM choices; a CPU rounds positions to 64
     # in bf16 only (pipeline.train.device.row_multiple).
     shape_buckets: bool | Auto = op("auto")

@@ -37,13 +37,13 @@ import numpy as np
 import torch
 
 from model import ModelConfig, Transformer, size_name
+from pipeline.batch_plan import step_groups
+from pipeline.batch_plan.shapes import EpochShapes, ShapeBuckets, epoch_report
+from pipeline.batch_plan.step_groups import worker_range
 from pipeline.config import Config, ConfigError
 from pipeline.config.devices import on_for
 from pipeline.models import model_config_for
-from pipeline.plan import step_groups
 from pipeline.plan.flops import MicroShape, count_step_ops, six_n_t, step_flops
-from pipeline.plan.shapes import EpochShapes, ShapeBuckets, epoch_report
-from pipeline.plan.step_groups import worker_range
 from pipeline.ray_env import ray_address
 
 # Dense (no structured sparsity) 16-bit tensor-core peak per GPU: bf16, or fp16 on GPUs without
@@ -252,7 +252,7 @@ def assumed_lengths(cfg: Config, n: int = 50_000) -> tuple[np.ndarray, np.ndarra
 
 def shapes_report(cfg: Config, mc: ModelConfig, src_len: np.ndarray, tgt_len: np.ndarray) -> EpochShapes:
     """The distinct micro-batch shapes of epoch 0's batch plan with GPU shape buckets
-    (`pipeline.plan.shapes`), split over the most workers, and their padding."""
+    (`pipeline.batch_plan.shapes`), split over the most workers, and their padding."""
     tc = cfg.train
     rows = np.flatnonzero(step_groups.keep_mask(src_len, tgt_len, tc.max_len))
     plan = step_groups.plan_epoch(rows, src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)

@@ -32,12 +32,12 @@ from typing import Any
 import numpy as np
 
 from model import ModelConfig
+from pipeline.batch_plan.step_groups import worker_range
 from pipeline.config import Config
 from pipeline.plan import cpu_rate
 from pipeline.plan.bill import Counted, count
 from pipeline.plan.cpu_rate import MatmulRate
 from pipeline.plan.flops import MicroShape, six_n_t
-from pipeline.plan.step_groups import worker_range
 
 # The train stage's step as a share of `cpu_rate.measure`'s rate, and a checkpoint's extra
 # seconds: the Multi30k tiny recipe (configs/multi30k-tiny.toml) on a 2-core AMD EPYC (AVX2, no

@@ -22,8 +22,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig
-from pipeline.plan import step_groups
-from pipeline.plan.shapes import ShapeBuckets
+from pipeline.batch_plan import step_groups
+from pipeline.batch_plan.shapes import ShapeBuckets
 from pipeline.train import token_batches
 from pipeline.train.corpus import Corpus
 from pipeline.train.feeder import to_device

@@ -6,7 +6,7 @@ the stage's bill (`pipeline.plan.bill`) as its run's params, builds the `TorchTr
 its `Result` into the stage's outputs (docs/stages.md) and plots. Beside it on the driver:
 `elastic` (the worker range), `resume` (the run folder), `dev_bleu_validation` (dev BLEU per
 checkpoint). Worker side: `pipeline.train.loop` (the loop) and its parts, on the global batch plan
-of `pipeline.plan.step_groups`.
+of `pipeline.batch_plan.step_groups`.
 
 Resume. The Ray Train run is named after the stage's cache key and lives under
 `run.storage_path` (default `<work_dir>/ray_train`). Ray Train V2 keeps a checkpoint-manager
@@ -31,12 +31,13 @@ import torch
 
 from model import ModelConfig
 from pipeline import storage
+from pipeline.batch_plan import step_groups
+from pipeline.batch_plan.step_groups import worker_range
 from pipeline.config import Config
 from pipeline.config.devices import use_gpus
 from pipeline.decoding.selection import kept_shortfall
 from pipeline.models import model_config_for
-from pipeline.plan import bill, step_groups
-from pipeline.plan.step_groups import worker_range
+from pipeline.plan import bill
 from pipeline.ray_env import cluster_gpus, ensure_ray, node_cpus, worker_logging
 from pipeline.stage import StageContext, StageResult
 from pipeline.tracking import deliver_spool, spool_dir_for

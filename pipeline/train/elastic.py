@@ -27,8 +27,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pipeline.batch_plan.step_groups import worker_range
 from pipeline.config import Config
-from pipeline.plan.step_groups import worker_range
 
 log = logging.getLogger(__name__)
 

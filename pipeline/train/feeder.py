@@ -2,7 +2,7 @@
 and copied to the device.
 
 `StepPlan` says which pairs training keeps and which step group comes next (the global plan,
-the same on every worker: `pipeline.plan.step_groups`); `HostBatcher` turns one step group (row ids
+the same on every worker: `pipeline.batch_plan.step_groups`); `HostBatcher` turns one step group (row ids
 of the global plan) into this worker's `StepBatch`: its micro-batches and the step's token counts;
 `Feeder` builds the next step's batches in a background thread while the current step runs. All
 three are O(batch) and touch no device; `upload` is the one copy to the device (asynchronous on a
@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from model import ModelConfig
-from pipeline.plan import step_groups
-from pipeline.plan.shapes import ShapeBuckets
+from pipeline.batch_plan import step_groups
+from pipeline.batch_plan.shapes import ShapeBuckets
 from pipeline.train import token_batches
 from pipeline.train.corpus import Corpus
 

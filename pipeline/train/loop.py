@@ -4,7 +4,7 @@ Runs inside each Ray Train worker (`pipeline.train.driver` gives it a `RaySessio
 for tests and benchmarks (`LocalSession`); it imports neither Ray nor MLflow.
 
 One optimizer step = one step group of ~`train.tokens_per_step` target tokens
-(`pipeline.plan.step_groups`), cut into `world_size * accum` micro-batches; every worker computes
+(`pipeline.batch_plan.step_groups`), cut into `world_size * accum` micro-batches; every worker computes
 the same global plan and takes its share. The `Trainer` holds the worker's model, optimizer and
 data and runs the loop: each step returns what it did (`StepResult`), which is counted in the
 loop's one state (`LoopState`: the `Progress`, the window since the last log line, the attempt's
@@ -40,9 +40,9 @@ from typing import Any
 import torch
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
+from pipeline.batch_plan.shapes import ShapeBuckets
 from pipeline.config import from_dict as config_from_dict
 from pipeline.config.devices import on_for
-from pipeline.plan.shapes import ShapeBuckets
 from pipeline.tracking import spool_dir_for  # imports no MLflow (it loads lazily)
 from pipeline.train import elastic, preemption
 from pipeline.train.actions import Action, decide

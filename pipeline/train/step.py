@@ -9,7 +9,7 @@ whatever the split into micro-batches and workers: each worker back-propagates
 `loss_sum(micro) * world_size / N` (DDP averages gradients over workers, i.e. divides by
 world_size) and skips DDP's all-reduce on all but its last micro-batch (`no_sync`). N, the
 step's target-token count, is known to every worker from the global batch plan
-(`pipeline.plan.step_groups`), so no all-reduce of the token count is needed.
+(`pipeline.batch_plan.step_groups`), so no all-reduce of the token count is needed.
 """
 
 from __future__ import annotations

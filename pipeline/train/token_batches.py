@@ -1,8 +1,8 @@
 """A micro-batch's padded arrays (`collate`): source, decoder input, target and the real
 positions, computed on the host. Pure numpy, no Ray, no torch.
 
-Which rows go into a micro-batch is the global batch plan's (`pipeline.plan.step_groups`); the
-shapes a GPU pads to are `pipeline.plan.shapes.ShapeBuckets`. One special token per side: source
+Which rows go into a micro-batch is the global batch plan's (`pipeline.batch_plan.step_groups`); the
+shapes a GPU pads to are `pipeline.batch_plan.shapes.ShapeBuckets`. One special token per side: source
 pieces + [eos], decoder input [bos] + pieces, target pieces + [eos].
 """
 
@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pipeline.plan.shapes import ShapeBuckets
+from pipeline.batch_plan.shapes import ShapeBuckets
 
 
 class IdLists(Protocol):
@@ -84,7 +84,7 @@ def collate(rows: np.ndarray, data: IdLists, layout: BatchLayout) -> Batch:
     real batches: bf16 kernels per shape").
 
     `layout.buckets` (GPUs: `speed.shape_buckets`) pads the batch to its bucketed shape instead
-    (`pipeline.plan.shapes`; `row_multiple` is then unused): more rows, each a source of [eos]
+    (`pipeline.batch_plan.shapes`; `row_multiple` is then unused): more rows, each a source of [eos]
     and a decoder input of [bos] with a pad target, more columns, and more computed positions
     (pad positions, as above)."""
     pad_id, bos_id, eos_id = layout.pad_id, layout.bos_id, layout.eos_id

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, Transformer, label_smoothed_nll
-from pipeline.plan import step_groups
+from pipeline.batch_plan import step_groups
 from pipeline.train import token_batches
 from pipeline.train.corpus import Corpus
 from pipeline.train.token_batches import BatchLayout

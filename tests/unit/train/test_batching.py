@@ -1,11 +1,11 @@
-"""Token-bucketed batching (pipeline/plan/step_groups.py): pure numpy, checked against brute-force facts."""
+"""Token-bucketed batching (pipeline/batch_plan/step_groups.py): pure numpy, checked against brute-force facts."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipeline.plan import step_groups
+from pipeline.batch_plan import step_groups
 
 from pipeline.train import token_batches
 from pipeline.train.corpus import Corpus

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from model import ModelConfig, Transformer
+from pipeline.batch_plan.shapes import ShapeBuckets
 from pipeline.train import dev_loss
 from pipeline.train.corpus import Corpus
-from pipeline.plan.shapes import ShapeBuckets
 from pipeline.train.dev_loss import DevLoss
 from pipeline.train.step import FusedOutput, LossSettings
 

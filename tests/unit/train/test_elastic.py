@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.batch_plan.step_groups import worker_range
 from pipeline.config import ConfigError, load_config
-from pipeline.plan.step_groups import worker_range
 from pipeline.train import elastic
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
-from pipeline.plan import step_groups
+from pipeline.batch_plan import step_groups
 from pipeline.train import token_batches
 from pipeline.train.token_batches import BatchLayout
 from pipeline.train import checkpoint as train_checkpoint

@@ -1,4 +1,4 @@
-"""Micro-batches of stable shape (pipeline/plan/shapes.py, `token_batches.BatchLayout(buckets=...)`):
+"""Micro-batches of stable shape (pipeline/batch_plan/shapes.py, `token_batches.BatchLayout(buckets=...)`):
 the ladder against a hand-made table, the padded batch's step against the unpadded one's (the
 same loss and gradients, fp64), the loop with buckets on against off, and the shape count and
 padding over base's batch plan on a corpus of WMT14's size (4.5M pairs)."""
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
+from pipeline.batch_plan.shapes import ShapeBuckets, ladder, real_shape
 from pipeline.config import Config
 from pipeline.plan import bill
 from pipeline.train import token_batches
 from pipeline.train.corpus import Corpus
 from pipeline.train.token_batches import BatchLayout
 from pipeline.train.loop import LocalSession, train_worker
-from pipeline.plan.shapes import ShapeBuckets, ladder, real_shape
 from pipeline.train.feeder import to_device
 from pipeline.train.step import LossSettings, accumulate_gradients
 from tests.unit.train.test_loop import shards, tiny_spec  # noqa: F401 (a fixture)
