@@ -166,13 +166,14 @@ def format_bill(cfg: Config, plans: list[StagePlan], mfu_from: str = "") -> str:
     (pipeline/plan/bill.py)."""
     from pipeline.models import model_config_for
     from pipeline.train.corpus import load_lengths
-    from pipeline.train.driver import train_bill
+    from pipeline.plan.train_bill import train_bill
+    from pipeline.train.driver import local_cpu_training
 
     by_name = {p.stage.name: p for p in plans}
     vocab, encode = by_name["vocab"].manifest, by_name["encode"].manifest
     mc = model_config_for(cfg, vocab.outputs if vocab else {"vocab_size": cfg.vocab.size})
     lengths = load_lengths(encode.outputs["splits"]["train"]["dir"]) if encode else None
-    return train_bill(cfg, mc, lengths, mfu_from, shapes=True).format()
+    return train_bill(cfg, mc, local_cpu_training(cfg), lengths, mfu_from, shapes=True).format()
 
 
 def _file_list(out_dir: str, checksum: bool) -> list[dict[str, Any]]:

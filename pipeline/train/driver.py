@@ -2,8 +2,8 @@
 
 Driver side (this module, the DAG's `train` entry): checks the inputs before any worker starts
 (ids within the vocabulary, a non-empty training set, budgets that hold the longest pair), logs
-the stage's bill (`pipeline.plan.bill`) as its run's params, builds the `TorchTrainer`, and turns
-its `Result` into the stage's outputs (docs/stages.md) and plots. Beside it on the driver:
+the stage's bill (`pipeline.plan.train_bill`) as its run's params, builds the `TorchTrainer`, and
+turns its `Result` into the stage's outputs (docs/stages.md) and plots. Beside it on the driver:
 `elastic` (the worker range), `resume` (the run folder), `dev_bleu_validation` (dev BLEU per
 checkpoint). Worker side: `pipeline.train.loop` (the loop) and its parts, on the global batch plan
 of `pipeline.batch_plan.step_groups`.
@@ -37,7 +37,7 @@ from pipeline.config import Config
 from pipeline.config.devices import use_gpus
 from pipeline.decoding.selection import kept_shortfall
 from pipeline.models import model_config_for
-from pipeline.plan import bill
+from pipeline.plan.train_bill import train_bill
 from pipeline.ray_env import cluster_gpus, ensure_ray, node_cpus, worker_logging
 from pipeline.stage import StageContext, StageResult
 from pipeline.tracking import deliver_spool, spool_dir_for
@@ -337,22 +337,10 @@ def check_early_stop(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> None:
              tc.early_stop_metric)
 
 
-def train_bill(cfg: Config, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray] | None = None,
-               mfu_from: str = "", shapes: bool = False) -> Any:
-    """The train stage's bill (`--plan`'s, the run's params) at the encode stage's `lengths` (None: assumed
-    ones): this CPU's (pipeline/plan/cpu_bill.py) when the run trains on it, else the GPUs' (plan/bill.py)."""
-    source = bill.encode_lengths_source(lengths) if lengths is not None else ""
-    if bill.trains_on_this_cpu(cfg):
-        from pipeline.plan.cpu_bill import make_cpu_bill
-
-        return make_cpu_bill(cfg, mc, *local_cpu_training(cfg), lengths, source, shapes=shapes)
-    return bill.make_bill(cfg, mc, lengths, source, mfu_from, shapes)
-
-
 def _log_bill(ctx: StageContext, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray]) -> None:
-    """`train_bill` as the run's MLflow params; never fails training."""
+    """The train stage's bill (pipeline/plan/train_bill.py) as the run's MLflow params; never fails training."""
     try:
-        b = train_bill(ctx.cfg, mc, lengths)
+        b = train_bill(ctx.cfg, mc, local_cpu_training(ctx.cfg), lengths)
         log.info("train: the %s: %.4g FLOPs per step, %.3g h", b.format().splitlines()[0], b.flops_per_step, b.hours)
         ctx.tracker.log_params(b.params())
     except Exception as e:  # noqa: BLE001 (an unknown gpu_type, a changed MLflow param): a note, not a failure
