@@ -240,8 +240,9 @@ def checkpoint_figures(work: Path) -> dict:
                      if torch.is_tensor(v) and v.dim() > 0)
     stalls, sizes = [], []
     # A tree without background checkpoint uploads has neither checkpoint.upload nor train.checkpoint_upload.
-    upload_async = (hasattr(getattr(pipeline.config, "CheckpointConfig", None), "upload")
-                    or hasattr(pipeline.config.TrainConfig, "checkpoint_upload"))
+    # (The sections were named CheckpointConfig and TrainConfig before CheckpointSection, TrainSection.)
+    upload_async = any(hasattr(getattr(pipeline.config, name, None), attr) for name, attr in (
+        ("CheckpointSection", "upload"), ("CheckpointConfig", "upload"), ("TrainConfig", "checkpoint_upload")))
     for i in range(2):
         folder, dest = work / f"ckpt-base-{i}", work / f"ckpt-base-{i}-uploaded"
         shutil.rmtree(folder, ignore_errors=True)

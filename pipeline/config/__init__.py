@@ -16,16 +16,17 @@ Part of the pipeline core: imports the standard library and `model.config` only.
 
 from .checks import ConfigError, parse_resources
 from .loader import MOVED_KEYS, coerce, from_dict, load_config, parse_overrides, typed_fields
-from .operations import (AttentionBackend, Auto, CheckpointConfig, CheckpointUpload, GradCompression, MetricsConfig,
-                         Placement, PlanConfig, Precision, SpeedConfig, WorkersConfig, op)
-from .schema import (AverageSelect, Backend, Config, DataConfig, DecodeSettings, EarlyStopMetric, EvalConfig,
-                     ModelSection, Preprocess, Quantization, RunConfig, Source, Split, TrackingConfig, TrainConfig,
-                     VocabConfig, VocabModel, keyed_if_set)
+from .operations import (AttentionBackend, Auto, CheckpointSection, CheckpointUpload, GradCompression, MetricsSection,
+                         Placement, PlanSection, Precision, SpeedSection, WorkersSection, op)
+from .schema import (AverageSelect, Backend, Config, DataSection, DecodeSettings, EarlyStopMetric, EvalSection,
+                     ModelSection, Preprocess, Quantization, RunSection, Source, Split, TrackingSection, TrainSection,
+                     VocabModel, VocabSection, keyed_if_set)
 
 __all__ = [
-    "MOVED_KEYS", "AttentionBackend", "Auto", "AverageSelect", "Backend", "CheckpointConfig", "CheckpointUpload",
-    "Config", "ConfigError", "DataConfig", "DecodeSettings", "EarlyStopMetric", "EvalConfig", "GradCompression",
-    "MetricsConfig", "ModelSection", "Placement", "PlanConfig", "Precision", "Preprocess", "Quantization", "RunConfig",
-    "Source", "SpeedConfig", "Split", "TrackingConfig", "TrainConfig", "VocabConfig", "VocabModel", "WorkersConfig",
-    "coerce", "from_dict", "keyed_if_set", "load_config", "op", "parse_overrides", "parse_resources", "typed_fields",
+    "MOVED_KEYS", "AttentionBackend", "Auto", "AverageSelect", "Backend", "CheckpointSection", "CheckpointUpload",
+    "Config", "ConfigError", "DataSection", "DecodeSettings", "EarlyStopMetric", "EvalSection", "GradCompression",
+    "MetricsSection", "ModelSection", "Placement", "PlanSection", "Precision", "Preprocess", "Quantization",
+    "RunSection", "Source", "SpeedSection", "Split", "TrackingSection", "TrainSection", "VocabModel", "VocabSection",
+    "WorkersSection", "coerce", "from_dict", "keyed_if_set", "load_config", "op", "parse_overrides",
+    "parse_resources", "typed_fields",
 ]

@@ -25,7 +25,7 @@ def op(default: Any = dataclasses.MISSING, **kw: Any) -> Any:
 
 
 @dataclass(kw_only=True)
-class SpeedConfig:
+class SpeedSection:
     """How fast each training step runs on its device: precision, kernels, micro-batches,
     compilation (``speed``). Never part of a cache key: these change the rounding, not the recipe."""
 
@@ -59,7 +59,7 @@ class SpeedConfig:
 
 
 @dataclass(kw_only=True)
-class WorkersConfig:
+class WorkersSection:
     """The train stage's Ray Train worker group: its size, devices, placement and how it survives
     failures and preemption (``workers``; never part of a cache key)."""
 
@@ -107,7 +107,7 @@ class WorkersConfig:
 
 
 @dataclass(kw_only=True)
-class CheckpointConfig:
+class CheckpointSection:
     """When the train stage checkpoints, how many it keeps and how they reach storage
     (``checkpoint``; never part of a cache key)."""
 
@@ -126,7 +126,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class MetricsConfig:
+class MetricsSection:
     """How often the training loop reports (``metrics``; never part of a cache key)."""
 
     log_interval_steps: int = op(100)  # the progress line and the train/* metrics
@@ -139,7 +139,7 @@ class MetricsConfig:
 
 
 @dataclass
-class PlanConfig:
+class PlanSection:
     """The bill --plan prints (pipeline/plan/bill.py): the GPU each worker has, and the MFU it
     assumes unless a benchmarks/gpu_check.sh JSON (mfu_from, or --mfu-from) measured one (``plan``)."""
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from model.config import ModelSizes
 
 from .checks import ConfigError, check as _check, check_allowed, parse_resources
-from .operations import Auto, CheckpointConfig, MetricsConfig, PlanConfig, SpeedConfig, WorkersConfig, op
+from .operations import Auto, CheckpointSection, MetricsSection, PlanSection, SpeedSection, WorkersSection, op
 
 # The allowed values of the config's fixed-set fields (`typing.get_args(Backend)` spells a set elsewhere);
 # those of the operational sections are in `operations`.
@@ -41,7 +41,7 @@ def keyed_if_set(default: Any) -> Any:
 
 
 @dataclass(kw_only=True)
-class DataConfig:
+class DataSection:
     """Where the parallel text comes from and how it is cleaned (``download``, ``prepare``)."""
 
     # "wmt14" (the paper's data, §5.1), "multi30k" (Multi30k task 1, the small published benchmark a
@@ -95,7 +95,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class VocabConfig:
+class VocabSection:
     """The shared SentencePiece model (``vocab``)."""
 
     size: int = 37000  # §5.1: "a shared source-target vocabulary of about 37000 tokens"
@@ -124,7 +124,7 @@ class ModelSection(ModelSizes):
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
+class TrainSection:
     """The paper's training recipe (§5): what the train stage's cache key holds (``train``).
 
     How it runs lives beside it: ``speed`` (kernels, precision, micro-batches), ``workers`` (the
@@ -160,7 +160,7 @@ class TrainConfig:
 
 @dataclass
 class DecodeSettings:
-    """Beam search settings (§6.1), the one definition: ``eval.*`` (EvalConfig), the translate CLI
+    """Beam search settings (§6.1), the one definition: ``eval.*`` (EvalSection), the translate CLI
     and ``serve run``'s arguments (ServeSettings) all take these fields and defaults."""
 
     beam_size: int = 4  # §6.1
@@ -170,7 +170,7 @@ class DecodeSettings:
 
     @classmethod
     def of(cls, obj: Any) -> "DecodeSettings":
-        """The decode fields of an object that has them (an EvalConfig, ServeSettings), or of a
+        """The decode fields of an object that has them (an EvalSection, ServeSettings), or of a
         dict of some of them (the rest default; an unknown key is a TypeError)."""
         if isinstance(obj, dict):
             return cls(**obj)
@@ -183,7 +183,7 @@ class DecodeSettings:
 
 
 @dataclass(kw_only=True)
-class EvalConfig(DecodeSettings):
+class EvalSection(DecodeSettings):
     """Averaging, beam search (``DecodeSettings``'s fields) and scoring (``average``,
     ``translate``, ``score``; §6.1)."""
 
@@ -234,7 +234,7 @@ class EvalConfig(DecodeSettings):
 
 
 @dataclass(kw_only=True)
-class RunConfig:
+class RunSection:
     """Where outputs go and how Ray is reached (never part of a cache key)."""
 
     work_dir: str = op("work")  # local path, s3://..., gs://... or an NFS path; stages write under it
@@ -246,7 +246,7 @@ class RunConfig:
 
 
 @dataclass(kw_only=True)
-class TrackingConfig:
+class TrackingSection:
     """MLflow: a local SQLite store under the work dir unless a server is named."""
 
     uri: str = op("")  # "" = $MLFLOW_TRACKING_URI, else sqlite:///<work_dir>/mlflow.db
@@ -267,18 +267,18 @@ class TrackingConfig:
 
 @dataclass(kw_only=True)
 class Config:
-    data: DataConfig = field(default_factory=DataConfig)
-    vocab: VocabConfig = field(default_factory=VocabConfig)
+    data: DataSection = field(default_factory=DataSection)
+    vocab: VocabSection = field(default_factory=VocabSection)
     model: ModelSection = field(default_factory=ModelSection)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    speed: SpeedConfig = field(default_factory=SpeedConfig)
-    workers: WorkersConfig = field(default_factory=WorkersConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    train: TrainSection = field(default_factory=TrainSection)
+    speed: SpeedSection = field(default_factory=SpeedSection)
+    workers: WorkersSection = field(default_factory=WorkersSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    plan: PlanSection = field(default_factory=PlanSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    run: RunSection = field(default_factory=RunSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

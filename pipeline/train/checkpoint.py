@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipeline.config import CheckpointConfig, MetricsConfig
+from pipeline.config import CheckpointSection, MetricsSection
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def report(session: Any, step: int, metrics: dict[str, Any], upload_async: bool,
 class Cadence:
     """The interval rules of one worker; `checkpointed()` restarts the checkpoint clock."""
 
-    def __init__(self, max_steps: int, metrics: MetricsConfig, checkpoint: CheckpointConfig, validates: bool):
+    def __init__(self, max_steps: int, metrics: MetricsSection, checkpoint: CheckpointSection, validates: bool):
         self.max_steps, self.metrics, self.checkpoint, self.validates = max_steps, metrics, checkpoint, validates
         self.last_checkpoint_t = time.monotonic()
 
@@ -197,7 +197,7 @@ class Checkpointer:
     `state` holds what a checkpoint keeps besides the progress: the model, optimizer, scheduler
     and scaler (the keyword arguments of `save` and `load`)."""
 
-    def __init__(self, session: Any, rank: int, device: torch.device, checkpoint: CheckpointConfig,
+    def __init__(self, session: Any, rank: int, device: torch.device, checkpoint: CheckpointSection,
                  state: dict[str, Any], max_steps: int, model_config: dict[str, Any], extra: dict[str, Any]):
         self.session, self.rank, self.device, self.checkpoint = session, rank, device, checkpoint
         self.state, self.max_steps, self.model_config, self.extra = state, max_steps, model_config, extra

@@ -52,7 +52,7 @@ import torch.fx.experimental._config  # noqa: F401 (use_duck_shape, below)
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pipeline.config import ConfigError, Precision, SpeedConfig
+from pipeline.config import ConfigError, Precision, SpeedSection
 from pipeline.cpu_threads import use_threads
 from pipeline.config.devices import on_for
 from pipeline.train.step import FusedOutput, LossSettings
@@ -234,7 +234,7 @@ class WorkerDevice:
     construction, then the precision (`speed.precision`), its autocast and loss settings, the model
     compiled or not (`compile`) and the attention kernel (`choose_attention`)."""
 
-    def __init__(self, speed: SpeedConfig, device: torch.device, num_threads: int = 0):
+    def __init__(self, speed: SpeedSection, device: torch.device, num_threads: int = 0):
         self.speed, self.device = speed, device
         use_threads(num_threads)  # Ray's OMP_NUM_THREADS may say otherwise
         if device.type == "cpu":

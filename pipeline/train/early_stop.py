@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 
-from pipeline.config import ConfigError, TrainConfig
+from pipeline.config import ConfigError, TrainSection
 from pipeline.train.checkpoint import Progress
 
 log = logging.getLogger(__name__)
@@ -117,14 +117,14 @@ class EarlyStopDecision:
     agreement (`wish`), and the decision after it (`decide`), the same on every rank; `announce`
     and `metrics` when the loop records the stop."""
 
-    def __init__(self, tc: TrainConfig, dev_bleu_dir: str, rank: int):
+    def __init__(self, tc: TrainSection, dev_bleu_dir: str, rank: int):
         self.tc, self.rank = tc, rank
         self.early = EarlyStop(patience=tc.early_stop_patience, metric=tc.early_stop_metric)
         self.dev_bleu = DevBleuRecords(dev_bleu_dir) if tc.early_stop_metric == "dev_bleu" else None
         self._stop_pending = False  # the resumed count already said stop (decided at the next step)
 
     @classmethod
-    def for_loop(cls, tc: TrainConfig, validates: bool, dev_bleu_dir: str, rank: int) -> "EarlyStopDecision | None":
+    def for_loop(cls, tc: TrainSection, validates: bool, dev_bleu_dir: str, rank: int) -> "EarlyStopDecision | None":
         """None when early stopping is off; a ConfigError when its metric has no values."""
         if not tc.early_stop_patience:
             return None

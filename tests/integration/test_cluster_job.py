@@ -24,7 +24,7 @@ from tests.support.s3 import s3_module, use_env  # noqa: F401 (fixture)
 from workflows import reproduce_base, session
 
 REPO = reproduce_base.REPO
-EXPERIMENT = "transformer-wmt14-ende"  # TrackingConfig.experiment's default
+EXPERIMENT = "transformer-wmt14-ende"  # TrackingSection.experiment's default
 MAX_UPLOAD_BYTES = 100 * 1024**2  # what the dashboard accepts for a job's working dir (DASHBOARD_CLIENT_MAX_SIZE)
 
 

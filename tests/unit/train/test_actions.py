@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.config import CheckpointConfig, MetricsConfig
+from pipeline.config import CheckpointSection, MetricsSection
 from pipeline.train.actions import Action, decide
 from pipeline.train.agreement import NO_NOTICE, Agreed
 from pipeline.train.checkpoint import Cadence
@@ -22,8 +22,8 @@ LOG, DEV, EARLY, CKPT = Action.LOG, Action.DEV_LOSS, Action.EARLY_STOP, Action.C
 PREEMPT_SAVED, PREEMPT = Action.STOP_PREEMPTED_AFTER_CHECKPOINT, Action.STOP_PREEMPTED
 
 # Logs every 10 steps, validates every 50, checkpoints every 100 and at the last step, 1005.
-CADENCE = Cadence(1005, MetricsConfig(log_interval_steps=10, val_loss_interval_steps=50),
-                  CheckpointConfig(interval_steps=100, interval_s=600.0), validates=True)
+CADENCE = Cadence(1005, MetricsSection(log_interval_steps=10, val_loss_interval_steps=50),
+                  CheckpointSection(interval_steps=100, interval_s=600.0), validates=True)
 
 
 def agreed(log: bool = False, dev: bool = False, checkpoint_due: bool = False, grace_left_s: float = NO_NOTICE,
