@@ -24,7 +24,7 @@ FeedForwardKind = Literal["relu", "swiglu"]  # model.ffn
 def _option(default: Any) -> Any:
     """A field for a row after the paper (docs/model.md): `default` is the paper's model, and a stage's
     cache key holds the field only when it is set otherwise (the pipeline's ``cache = "if_set"``,
-    `pipeline.config.schema.keyed_if_set`), so the keys of configs without it stay as they were."""
+    `pipeline.config.migrations.keyed_if_set`), so the keys of configs without it stay as they were."""
     return dataclasses.field(default=default, metadata={"cache": "if_set"})
 
 

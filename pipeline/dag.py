@@ -33,7 +33,7 @@ _DATA_SOURCE = ("data.source", "data.src_lang", "data.tgt_lang",
 # against the mirror's own SHA256SUMS, and the offline stand-in mirror holds samples, not statmt.org's
 # bytes. Multi30k's files are each checked against the sha256 pinned in pipeline/data/sources.py, so
 # a mirror cannot change them (an operational value, like download_timeout_s); "custom" reads none.
-# Work dirs downloaded while every source keyed it are still used (keys_in_work_dir).
+# Work dirs downloaded while every source keyed it are still used (config/migrations.py).
 _MIRROR_IF_WMT14 = (("data.source", "wmt14", ("data.mirror",)),)
 _CLEANING = ("data.preprocess", "data.max_words", "data.max_length_ratio", "data.dedup",
              "data.max_pairs_per_corpus", "data.num_shards")
@@ -47,8 +47,7 @@ _DEV_BLEU = ("eval.average_select", "eval.dev_bleu_sentences", "eval.dev_bleu_en
 
 STAGES: tuple[Stage, ...] = (
     Stage(name="download", version="1", reads=_DATA_SOURCE, upstream=(), impl="pipeline.data.download:run",
-          checksum_files=False,
-          reads_if=_MIRROR_IF_WMT14, formerly_reads=("data.mirror",)),
+          checksum_files=False, reads_if=_MIRROR_IF_WMT14),
     Stage(name="prepare", version="1", reads=_CLEANING, upstream=("download",), impl="pipeline.data.prepare:run"),
     Stage(name="vocab", version="1", reads=("vocab",), upstream=("prepare",), impl="pipeline.data.vocab:run"),
     Stage(name="encode", version="1", reads=(), upstream=("prepare", "vocab"), impl="pipeline.data.encode:run"),

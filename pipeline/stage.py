@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipeline.config import Config
+from pipeline.config.migrations import FORMERLY_READS
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +101,13 @@ class Stage:
     # Keys read only in one mode: ((key, value, extra reads), ...) adds the extra reads when
     # cfg's `key` equals `value` (so the other modes keep the keys they had).
     reads_if: tuple[tuple[str, Any, tuple[str, ...]], ...] = ()
-    # Keys the stage's cache key read under an earlier rule that no longer reads them: an output
-    # finished under the key that rule gives is still used (``pipeline.dag.keys_in_work_dir``).
-    formerly_reads: tuple[str, ...] = ()
+
+    @property
+    def formerly_reads(self) -> tuple[str, ...]:
+        """Keys the stage's cache key read under an earlier rule that no longer reads them
+        (`pipeline.config.migrations.FORMERLY_READS`): an output finished under the key that rule
+        gives is still used (``pipeline.dag.keys_in_work_dir``)."""
+        return FORMERLY_READS.get(self.name, ())
 
     def load(self) -> Callable[[StageContext], StageResult]:
         return self._resolve(self.impl)

@@ -15,12 +15,13 @@ Part of the pipeline core: imports the standard library and `model.config` only.
 """
 
 from .checks import ConfigError, parse_resources
-from .loader import MOVED_KEYS, coerce, from_dict, load_config, parse_overrides, typed_fields
+from .loader import coerce, from_dict, load_config, parse_overrides, typed_fields
+from .migrations import MOVED_KEYS, keyed_if_set
 from .operations import (AttentionBackend, Auto, CheckpointSection, CheckpointUpload, GradCompression, MetricsSection,
                          Placement, PlanSection, Precision, SpeedSection, WorkersSection, op)
 from .schema import (AverageSelect, Backend, Config, DataSection, DecodeSettings, EarlyStopMetric, EvalSection,
                      ModelSection, Preprocess, Quantization, RunSection, Source, Split, TrackingSection, TrainSection,
-                     VocabModel, VocabSection, keyed_if_set)
+                     VocabModel, VocabSection)
 
 __all__ = [
     "MOVED_KEYS", "AttentionBackend", "Auto", "AverageSelect", "Backend", "CheckpointSection", "CheckpointUpload",

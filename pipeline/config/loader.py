@@ -16,26 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .checks import ConfigError, allowed, check_value
+from .migrations import MOVED_KEYS
 from .schema import Config
-
-# Settings of speed, workers, checkpoint, metrics and plan spelled as train keys: `_apply` refuses
-# each naming its place (``train.precision is now speed.precision``), so none is dropped unsaid.
-MOVED_KEYS: dict[str, str] = {
-    **{f"train.{k}": f"speed.{k}" for k in (
-        "precision", "max_tokens_per_batch", "prefetch", "compile", "compile_backend", "shape_buckets",
-        "attention_backend", "fused_loss", "grad_compression")},
-    **{f"train.{k}": f"workers.{k}" for k in (
-        "num_workers", "elastic_resize_interval_s", "use_gpu", "cpus_per_worker", "placement_strategy",
-        "max_failures", "corpus_cache_dir", "preemption_grace_s", "controller_poll_s")},
-    "train.checkpoint_interval_steps": "checkpoint.interval_steps",
-    "train.checkpoint_interval_s": "checkpoint.interval_s",
-    "train.keep_checkpoints": "checkpoint.num_to_keep",
-    "train.checkpoint_upload": "checkpoint.upload",
-    "train.checkpoint_upload_retry_s": "checkpoint.upload_retry_s",
-    "train.log_interval_steps": "metrics.log_interval_steps",
-    "train.eval_interval_steps": "metrics.val_loss_interval_steps",
-    **{f"train.{k}": f"plan.{k}" for k in ("gpu_type", "mfu_from", "assumed_mfu")},
-}
 
 
 def coerce(value: Any, tp: Any, key: str) -> Any:

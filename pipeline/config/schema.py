@@ -20,6 +20,7 @@ from typing import Any, Literal
 from model.config import ModelSizes
 
 from .checks import ConfigError, check as _check, check_allowed, parse_resources
+from .migrations import cache_value, keyed_if_set
 from .operations import Auto, CheckpointSection, MetricsSection, PlanSection, SpeedSection, WorkersSection, op
 
 # The allowed values of the config's fixed-set fields (`typing.get_args(Backend)` spells a set elsewhere);
@@ -32,12 +33,6 @@ Backend = Literal["torch", "ctranslate2"]  # eval.backend, eval.dev_bleu_engine 
 Quantization = Literal["float32", "int8"]  # eval.ct2_quantization, eval.dev_bleu_quantization (export)
 AverageSelect = Literal["last", "best_dev_bleu"]  # eval.average_select
 Split = Literal["test", "dev"]  # eval.splits
-
-
-def keyed_if_set(default: Any) -> Any:
-    """A field in the cache key only when it differs from its default (`default` = the behaviour
-    runs had before the field existed): adding it changes no existing key."""
-    return field(default=default, metadata={"cache": "if_set"})
 
 
 @dataclass(kw_only=True)
@@ -311,11 +306,10 @@ class Config:
                 for name, values in dataclasses.asdict(self).items()}
 
     def section_for_cache(self, name: str) -> dict[str, Any]:
-        """The values of one section that change a stage's output (``cache=False`` fields left out).
-        An unset (None) value is keyed as 0 (model.d_k / d_v), the spelling of "unset" in the keys of
-        work dirs already on disk, so those keys still hold."""
+        """The values of one section that change a stage's output (``cache=False`` fields left out),
+        spelled as the keys of work dirs already on disk spell them (`migrations.cache_value`)."""
         section = getattr(self, name)
-        return {f.name: 0 if getattr(section, f.name) is None else getattr(section, f.name)
+        return {f.name: cache_value(getattr(section, f.name))
                 for f in dataclasses.fields(section)
                 if f.metadata.get("cache", True) is True
                 or (f.metadata.get("cache") == "if_set" and getattr(section, f.name) != f.default)}

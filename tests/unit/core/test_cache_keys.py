@@ -79,3 +79,19 @@ def test_a_work_dir_made_under_the_former_rule_is_used_as_it_is(tmp_path, monkey
     assert (files.model, files.spm) == ("/old/avg/model.pt", "/old/spm.model")
     fresh = runner.make_plan(load_config(name, [f"--run.work_dir={tmp_path / 'new'}"]))
     assert {p.stage.name: p.key for p in fresh} == new
+
+
+def test_every_earlier_rule_names_a_stage_and_keys_that_exist():
+    """pipeline/config/migrations.py's table: each stage is the DAG's, each key a config key its
+    stage no longer reads (else the rule would change nothing)."""
+    from pipeline.config.migrations import FORMERLY_READS
+    from pipeline.dag import BY_NAME
+
+    cfg = load_config(None, ["--data.source=multi30k"])  # a source whose download no longer keys the mirror
+    for stage, keys in FORMERLY_READS.items():
+        assert BY_NAME[stage].formerly_reads == keys
+        for key in keys:
+            section, name = key.split(".")
+            assert hasattr(getattr(cfg, section), name), key
+            assert key not in BY_NAME[stage].key_material(cfg), (stage, key)
+            assert key in BY_NAME[stage].key_material(cfg, former=True), (stage, key)
