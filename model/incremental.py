@@ -66,8 +66,8 @@ class LayerWeights:
             return m.weight, getattr(m, "bias", None)
 
         return cls(n_heads=sa.n_heads, hs=sa.heads.hs, eps=layer.norm1.eps, qkv=linear(sa.qkv_proj),
-                   self_out=linear(sa.out_proj),
-                   cross_q=linear(ca.q_proj), cross_out=linear(ca.out_proj), ffn1=linear(ffn.w1), ffn2=linear(ffn.w2),
+                   self_out=linear(sa.out_proj), cross_q=linear(ca.q_proj), cross_out=linear(ca.out_proj),
+                   ffn1=linear(ffn.w1), ffn2=linear(ffn.w2),
                    norm1=norm(layer.norm1), norm2=norm(layer.norm2), norm3=norm(layer.norm3), pre_norm=layer.pre_norm,
                    rms_norm=isinstance(layer.norm1, nn.RMSNorm), ffn3=None if ffn.w3 is None else linear(ffn.w3),
                    rotary=sa.rotary)

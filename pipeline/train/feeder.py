@@ -48,8 +48,7 @@ def pin(batch: token_batches.Batch, device: torch.device, weight: float = 1.0) -
         return x.pin_memory() if device.type == "cuda" else x
 
     return MicroBatch(src=t(batch.src), tgt_in=t(batch.tgt_in), tgt_out=t(batch.tgt_out), weight=weight,
-                      src_index=t(batch.src_index),
-                      tgt_index=t(batch.tgt_index), target=t(batch.target))
+                      src_index=t(batch.src_index), tgt_index=t(batch.tgt_index), target=t(batch.target))
 
 
 def upload(mb: MicroBatch, device: torch.device) -> MicroBatch:
@@ -60,8 +59,7 @@ def upload(mb: MicroBatch, device: torch.device) -> MicroBatch:
         return None if x is None else x.to(device, non_blocking=True)
 
     return MicroBatch(src=t(mb.src), tgt_in=t(mb.tgt_in), tgt_out=t(mb.tgt_out), weight=mb.weight,
-                      src_index=t(mb.src_index), tgt_index=t(mb.tgt_index),
-                      target=t(mb.target))
+                      src_index=t(mb.src_index), tgt_index=t(mb.tgt_index), target=t(mb.target))
 
 
 def to_device(batch: token_batches.Batch, device: torch.device, weight: float = 1.0) -> MicroBatch:
