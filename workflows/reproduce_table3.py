@@ -88,7 +88,7 @@ def row_result(row: str, cfg: Config, outcome: sweep.Outcome) -> dict[str, Any]:
     dev = scores["dev"]
     entry.update(ppl_dev=manifests["train"].metrics.get("val/final_ppl"), bleu_dev=dev[key], bleu_metric=key,
                  bleu_sacre_dev=dev["bleu_sacre"], train_steps=manifests["train"].outputs["final_step"],
-                 train_wall_s=manifests["train"].extra.get("wall_s"),
+                 train_wall_s=manifests["train"].outputs.get("wall_s"),  # loop time, summed over attempts
                  **({"bleu_test": scores["test"][key]} if "test" in scores else {}),
                  train_key=manifests["train"].key,
                  # The row's own dev BLEU from training (its final checkpoint), when it was validated.
