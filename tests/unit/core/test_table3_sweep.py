@@ -116,6 +116,27 @@ def _rows(table: str) -> dict[str, list[str]]:
                                           table.splitlines() if line.startswith("| ") and "---" not in line)}
 
 
+def test_a_rows_entry_has_its_test_bleu_and_the_loops_time():
+    """`row_result` on a finished row's manifests: the paper's metric on dev and test, and the train
+    loop's time summed over attempts (the train stage's output), not the last attempt's stage wall."""
+    from pipeline.stage import Manifest
+    from workflows.reproduce_table3 import row_result
+
+    cfg = variant_config("swiglu", [str(REPO / "configs" / "multi30k-fast.toml")], [])
+    scores = {split: {"bleu_tok_lc": bleu, "bleu_sacre": bleu - 1} for split, bleu in (("dev", 29.7), ("test", 30.8))}
+    train = Manifest(stage="train", key="t", dir="", outputs={"final_step": 600, "wall_s": 2204.5},
+                     metrics={"val/final_ppl": 6.1}, extra={"wall_s": 900.0})
+    outcome = sweep.Outcome(row="swiglu", started=0.0, finished=2400.0,
+                            manifests={"train": train, "score": Manifest(stage="score", key="s", dir="",
+                                                                         outputs={"scores": scores})})
+    entry = row_result("swiglu", cfg, outcome)
+    assert (entry["bleu_dev"], entry["bleu_test"], entry["bleu_metric"]) == (29.7, 30.8, "bleu_tok_lc")
+    assert (entry["train_wall_s"], entry["train_steps"], entry["ppl_dev"], entry["wall_s"]) == (2204.5, 600, 6.1, 2400.0)
+    dev_only = {"dev": scores["dev"]}
+    outcome.manifests["score"] = Manifest(stage="score", key="s", dir="", outputs={"scores": dev_only})
+    assert "bleu_test" not in row_result("swiglu", cfg, outcome)
+
+
 def test_another_recipes_table_has_test_bleu_and_no_paper_columns():
     """On Multi30k the paper's newstest2013 values would compare nothing: not shown; test BLEU and
     the train stage's wall time are."""
