@@ -173,7 +173,7 @@ def format_bill(cfg: Config, plans: list[StagePlan], mfu_from: str = "") -> str:
     vocab, encode = by_name["vocab"].manifest, by_name["encode"].manifest
     mc = model_config_for(cfg, vocab.outputs if vocab else {"vocab_size": cfg.vocab.size})
     lengths = load_lengths(encode.outputs["splits"]["train"]["dir"]) if encode else None
-    return train_bill(cfg, mc, local_cpu_training(cfg), lengths, mfu_from, shapes=True).format()
+    return train_bill(cfg, mc, lambda: local_cpu_training(cfg), lengths, mfu_from, shapes=True).format()
 
 
 def _file_list(out_dir: str, checksum: bool) -> list[dict[str, Any]]:

@@ -340,7 +340,7 @@ def check_early_stop(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> None:
 def _log_bill(ctx: StageContext, mc: ModelConfig, lengths: tuple[np.ndarray, np.ndarray]) -> None:
     """The train stage's bill (pipeline/plan/train_bill.py) as the run's MLflow params; never fails training."""
     try:
-        b = train_bill(ctx.cfg, mc, local_cpu_training(ctx.cfg), lengths)
+        b = train_bill(ctx.cfg, mc, lambda: local_cpu_training(ctx.cfg), lengths)
         log.info("train: the %s: %.4g FLOPs per step, %.3g h", b.format().splitlines()[0], b.flops_per_step, b.hours)
         ctx.tracker.log_params(b.params())
     except Exception as e:  # noqa: BLE001 (an unknown gpu_type, a changed MLflow param): a note, not a failure

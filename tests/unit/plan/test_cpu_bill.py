@@ -178,7 +178,8 @@ def test_each_shipped_config_is_billed_on_the_machine_it_trains_on(monkeypatch):
         assert bill.trains_on_this_cpu(load_config(REPO / "configs" / name)), name
     monkeypatch.setattr(device, "cpu_bf16_features", lambda: [])  # the class that refused base's bf16
     cfg = load_config(REPO / "configs" / "base.toml")  # its bf16: refused on this CPU, were it billed here
-    b = train_bill(cfg, bill.model_config_for(cfg, {"vocab_size": cfg.vocab.size}), local_cpu_training(cfg))
+    b = train_bill(cfg, bill.model_config_for(cfg, {"vocab_size": cfg.vocab.size}),
+                   lambda: local_cpu_training(cfg))
     assert b.format().startswith(f"bill of the train stage: 8 x {cfg.plan.gpu_type} to")
     one = load_config([REPO / "configs" / "base.toml", REPO / "configs" / "one-gpu.toml"])
     assert bill.make_bill(one, bill.model_config_for(one, {"vocab_size": one.vocab.size})).num_gpus == 1
