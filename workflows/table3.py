@@ -111,8 +111,9 @@ def render_table(results: list[dict[str, Any]], cfg: Config) -> str:
     out += ["", f"Ours: beam {cfg.eval.beam_size}, alpha {cfg.eval.alpha}, {averaged}; BLEU = `{metric}`"
             f"{' (the tokenized BLEU of Table 2)' if metric == 'bleu_tok_cs' else ''}; PPL = exp(NLL per target "
             "piece) of the last step's model on dev (train stage's `val/final_ppl`); train wall = the training "
-            f"loop's time (summed over attempts when a run was resumed). Our pieces are a {cfg.vocab.size}-piece SentencePiece {cfg.vocab.model_type} "
-            "model, not the paper's word-pieces, so PPL values compare between rows"
+            f"loop's time (summed over attempts when a run was resumed). Our pieces come from a SentencePiece "
+            f"{cfg.vocab.model_type} model of {cfg.vocab.size} pieces, not the paper's word-pieces, so PPL values "
+            "compare between rows"
             + (", not exactly with the paper's." if papers else "; the paper's values (WMT14 EN-DE newstest2013) "
                "are not shown for this recipe."), ""]
     failed = [r["row"] for r in results if r.get("status", "done") != "done"]
