@@ -18,6 +18,7 @@ tests of the session started in the pytest process.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import pytest
 from tests.integration.test_end_to_end import TINY
 from tests.support.procs import RayHead, stop
 from workflows import reproduce_table3
-from workflows.reproduce_table3 import PAPER
+from workflows.table3 import PAPER
 
 # TINY at d_model 64 (2 heads: d / h = 32) so that B1's d_k = 16 differs from d_v; Table 3's rows
 # score the dev set (their files set eval.splits = ["dev"]).
@@ -144,6 +145,7 @@ def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_di
     for row in ("B1", "E"):
         line = next(x for x in table.splitlines() if x.startswith(f"| {row} |"))
         assert f"| {PAPER[row][1]:.2f} |" in line and f"| {PAPER[row][2]:.1f} |" in line  # the paper's columns
+        assert re.search(r"\| \d+\.\d min \| done \|$", line), line  # the training loop's time
     assert "Partial dev set" in table
 
     # Adding a row: only its training and evaluation are new (a plan starts no Ray).
