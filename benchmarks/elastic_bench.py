@@ -51,9 +51,9 @@ overrides, out_dir, shards, repo, run, vocab_size = json.loads(sys.argv[1]), *sy
 cfg = load_config(None, overrides)
 ray.init(address=cfg.run.ray_address, runtime_env={"env_vars": {"PYTHONPATH": repo}}, log_to_driver=False)
 vocab = {"vocab_size": vocab_size, "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
-inputs = {"encode": Manifest("encode", "k", "", {"splits": {"train": {"dir": shards}}}),
-          "vocab": Manifest("vocab", "k", "", vocab)}
-print("RESULT " + json.dumps(train.run(StageContext("train", run, cfg, out_dir, inputs)).outputs))
+inputs = {"encode": Manifest(stage="encode", key="k", dir="", outputs={"splits": {"train": {"dir": shards}}}),
+          "vocab": Manifest(stage="vocab", key="k", dir="", outputs=vocab)}
+print("RESULT " + json.dumps(train.run(StageContext(name="train", key=run, cfg=cfg, out_dir=out_dir, inputs=inputs)).outputs))
 """
 
 

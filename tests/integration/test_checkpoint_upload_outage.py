@@ -46,9 +46,9 @@ from pipeline.stage import Manifest, StageContext
 overrides, out_dir, shards, run = json.loads(sys.argv[1]), *sys.argv[2:5]
 cfg = load_config(None, overrides)
 vocab = {"vocab_size": %(vocab)d, "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
-inputs = {"encode": Manifest("encode", "k", "", {"splits": {"train": {"dir": shards}}}),
-          "vocab": Manifest("vocab", "k", "", vocab)}
-result = train.run(StageContext("train", run, cfg, out_dir, inputs))  # starts its own local Ray
+inputs = {"encode": Manifest(stage="encode", key="k", dir="", outputs={"splits": {"train": {"dir": shards}}}),
+          "vocab": Manifest(stage="vocab", key="k", dir="", outputs=vocab)}
+result = train.run(StageContext(name="train", key=run, cfg=cfg, out_dir=out_dir, inputs=inputs))  # starts its own local Ray
 print("RESULT " + json.dumps({"outputs": result.outputs,
                               "session_dir": ray._private.worker._global_node.get_session_dir_path()}))
 """ % {"vocab": VOCAB}

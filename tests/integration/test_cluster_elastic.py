@@ -59,9 +59,9 @@ ray.init(address=cfg.run.ray_address, log_to_driver=False,
          runtime_env={"env_vars": {"PYTHONPATH": repo},
                       "worker_process_setup_hook": "tests.support.faults.fast_cluster_view"})
 vocab = {"vocab_size": %(vocab)d, "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
-inputs = {"encode": Manifest("encode", "k", "", {"splits": {"train": {"dir": shards}}}),
-          "vocab": Manifest("vocab", "k", "", vocab)}
-result = train.run(StageContext("train", run, cfg, out_dir, inputs, RunLogger(uri, run_id)))
+inputs = {"encode": Manifest(stage="encode", key="k", dir="", outputs={"splits": {"train": {"dir": shards}}}),
+          "vocab": Manifest(stage="vocab", key="k", dir="", outputs=vocab)}
+result = train.run(StageContext(name="train", key=run, cfg=cfg, out_dir=out_dir, inputs=inputs, tracker=RunLogger(uri, run_id)))
 print("RESULT " + json.dumps({"outputs": result.outputs,
                               "session_dir": ray._private.worker._global_node.get_session_dir_path()}))
 """ % {"vocab": VOCAB}

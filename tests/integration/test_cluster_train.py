@@ -50,9 +50,9 @@ overrides, out_dir, shards, repo, run = json.loads(sys.argv[1]), *sys.argv[2:6]
 cfg = load_config(None, overrides)
 ray.init(address=cfg.run.ray_address, runtime_env={"env_vars": {"PYTHONPATH": repo}}, log_to_driver=False)
 vocab = {"vocab_size": %(vocab)d, "pad_id": 0, "unk_id": 1, "bos_id": 2, "eos_id": 3}
-inputs = {"encode": Manifest("encode", "k", "", {"splits": {"train": {"dir": shards}}}),
-          "vocab": Manifest("vocab", "k", "", vocab)}
-result = train.run(StageContext("train", run, cfg, out_dir, inputs))
+inputs = {"encode": Manifest(stage="encode", key="k", dir="", outputs={"splits": {"train": {"dir": shards}}}),
+          "vocab": Manifest(stage="vocab", key="k", dir="", outputs=vocab)}
+result = train.run(StageContext(name="train", key=run, cfg=cfg, out_dir=out_dir, inputs=inputs))
 nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k.startswith("node_")) for n in ray.nodes()}
 workers = list_actors(address=cfg.run.ray_address, filters=[("class_name", "=", "RayTrainWorker")], detail=True,
                       limit=100)

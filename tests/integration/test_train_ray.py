@@ -174,7 +174,7 @@ from pipeline.stage import Manifest, StageContext
 spec = json.load(open(sys.argv[1]))
 ray.init(address=spec["address"], runtime_env={"env_vars": {"PYTHONPATH": spec["repo"]}})
 inputs = {k: Manifest(**v) for k, v in spec["inputs"].items()}
-ctx = StageContext("train", spec["key"], from_dict(spec["cfg"]), spec["out_dir"], inputs)
+ctx = StageContext(name="train", key=spec["key"], cfg=from_dict(spec["cfg"]), out_dir=spec["out_dir"], inputs=inputs)
 train.run(ctx)
 """
 
