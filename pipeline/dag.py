@@ -26,7 +26,7 @@ from pipeline.stage import MANIFEST, Manifest, Stage
 
 log = logging.getLogger(__name__)
 
-_DATA_SOURCE = ("data.source", "data.src_lang", "data.tgt_lang",
+_DATA_SOURCE = ("data.source", "data.src_lang", "data.tgt_lang", "data.corpora",
                 "data.train_src", "data.train_tgt", "data.dev_src", "data.dev_tgt",
                 "data.test_src", "data.test_tgt")
 # Where the files come from (data.mirror) decides the data only for WMT14: its archives are checked

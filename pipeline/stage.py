@@ -149,7 +149,16 @@ class Stage:
         for item in reads:
             if "." in item:
                 section, key = item.split(".", 1)
-                out[item] = cfg.section_for_cache(section)[key]
+                values = cfg.section_for_cache(section)
+                if key in values or not _unset_if_set(cfg, section, key):
+                    out[item] = values[key]
             else:
                 out[item] = cfg.section_for_cache(item)
         return out
+
+
+def _unset_if_set(cfg: Config, section: str, key: str) -> bool:
+    """Whether ``section.key`` is a `keyed_if_set` field left at its default: out of the key, as it
+    was before the field existed."""
+    f = {f.name: f for f in dataclasses.fields(getattr(cfg, section))}[key]
+    return f.metadata.get("cache") == "if_set"

@@ -24,6 +24,7 @@ def preflight(cfg: Config, write: bool = True, check_tracking: bool = True) -> N
     from pipeline import tracking
 
     check_decoding_engine(cfg)
+    check_corpora(cfg)
 
     for key in ("work_dir", "storage_path"):
         uri = getattr(cfg.run, key)
@@ -40,6 +41,18 @@ def preflight(cfg: Config, write: bool = True, check_tracking: bool = True) -> N
             log.warning("tracking: the work dir is on an object store but MLflow writes to %s on this "
                         "machine only; set tracking.uri or MLFLOW_TRACKING_URI to a server to keep the runs",
                         uri)
+
+
+def check_corpora(cfg: Config) -> None:
+    """data.corpora names training corpora of this language pair's registry (pipeline/data/sources.py)."""
+    if cfg.data.source != "wmt14" or not cfg.data.corpora:
+        return
+    from pipeline.data import sources
+
+    try:
+        sources.chosen(sources.wmt14(cfg.data.src_lang, cfg.data.tgt_lang), cfg.data.corpora)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def check_decoding_engine(cfg: Config) -> None:

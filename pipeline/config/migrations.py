@@ -23,6 +23,8 @@ from typing import Any
 def keyed_if_set(default: Any) -> Any:
     """A field in the cache key only when it differs from its default (`default` = the behaviour
     runs had before the field existed): adding it changes no existing key."""
+    if isinstance(default, list):  # a mutable default: each config gets its own copy
+        return field(default_factory=lambda: list(default), metadata={"cache": "if_set"})
     return field(default=default, metadata={"cache": "if_set"})
 
 

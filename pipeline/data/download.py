@@ -1,7 +1,7 @@
 """Stage ``download``: fetch the raw parallel text and extract only the files we need.
 
-``data.source = "wmt14"``: the archives of ``pipeline.data.sources`` from statmt.org or ``data.mirror``,
-each verified (the mirror's ``SHA256SUMS`` when it has one, else the registry's checksum where one
+``data.source = "wmt14"``: the archives of ``pipeline.data.sources`` (those of the corpora ``data.corpora``
+names, with dev and test) from statmt.org or ``data.mirror``, each verified (the mirror's ``SHA256SUMS`` when it has one, else the registry's checksum where one
 is published), then streamed once to copy out the wanted members.
 ``data.source = "multi30k"``: Multi30k task 1's six gzipped text files from the ``multi30k/dataset``
 repository at a pinned commit (or ``data.mirror``), each checked against its sha256 (resumable
@@ -49,7 +49,7 @@ def _mirror_sums(mirror: str, timeout_s: float) -> dict[str, str]:
 
 def _wmt14(ctx: StageContext) -> tuple[dict[str, Any], int]:
     d = ctx.cfg.data
-    corpora = sources.wmt14(d.src_lang, d.tgt_lang)
+    corpora = sources.chosen(sources.wmt14(d.src_lang, d.tgt_lang), d.corpora)
     sums = _mirror_sums(d.mirror, d.download_timeout_s)
     out_dir = storage.absolute(ctx.out_dir)
     outputs: dict[str, Any] = {"train": [], "dev": None, "test": None, "archives": []}

@@ -167,6 +167,20 @@ def check_langs(src_lang: str, tgt_lang: str) -> None:
                          f"got {src_lang}-{tgt_lang}")
 
 
+def chosen(corpora: list[Corpus], names: list[str]) -> list[Corpus]:
+    """``corpora`` with the training corpora cut to ``names`` (``data.corpora``; empty = all of them,
+    the paper's data), in the registry's order; dev and test kept. A name the registry lacks is an
+    error naming the ones it has."""
+    if not names:
+        return corpora
+    known = [c.name for c in corpora if c.split == "train"]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"data.corpora: no training corpus {', '.join(map(repr, unknown))} here; "
+                         f"this language pair has {', '.join(known)}")
+    return [c for c in corpora if c.split != "train" or c.name in names]
+
+
 def archives(corpora: list[Corpus]) -> list[Archive]:
     """The distinct archives, in first-use order."""
     out: dict[str, Archive] = {}

@@ -70,7 +70,7 @@ ASSUMED_LENGTHS = "assumed lengths (no cached encode output): source pieces ~ lo
 # (WMT14 EN-DE ~4.5M, §5.1; Multi30k 29,000); EN-FR's 36M is counted at EN-DE's size (seconds, not a minute).
 ASSUMED_PAIRS = {"wmt14": 4_500_000, "multi30k": 29_000}
 # Training corpora of each source and target language (pipeline/data/sources.py): with
-# data.max_pairs_per_corpus (local mode keeps 12,000 of each) the corpus is at most that many from each.
+# data.max_pairs_per_corpus the corpus is at most that many from each (of those data.corpora names, if it does).
 TRAIN_CORPORA = {("wmt14", "de"): 3, ("wmt14", "fr"): 5, ("multi30k", "de"): 1}
 # Host seconds per aten op of an eager GPU step, from the one measurement there is (docs/benchmarks.md,
 # "The bill's host floor": an H200 machine, torch 2.11, bf16 autocast): the Multi30k tiny recipe's
@@ -268,7 +268,7 @@ def assumed_pairs(cfg: Config) -> int:
     cut to `data.max_pairs_per_corpus` from each of its corpora where that is set."""
     d = cfg.data
     n = ASSUMED_PAIRS.get(d.source, ASSUMED_PAIRS["wmt14"])
-    corpora = TRAIN_CORPORA.get((d.source, d.tgt_lang if d.src_lang == "en" else d.src_lang))
+    corpora = len(d.corpora) or TRAIN_CORPORA.get((d.source, d.tgt_lang if d.src_lang == "en" else d.src_lang))
     if d.max_pairs_per_corpus and corpora:
         n = min(n, corpora * d.max_pairs_per_corpus)
     return n

@@ -118,7 +118,7 @@ def submit(head: RayHead, *args: str, timeout_s: float = 420) -> subprocess.Comp
 
 
 # The whole DAG at toy size: a small data sample, a tiny model, 10 steps, 20 test sentences decoded.
-TINY = ["--config", "configs/local.toml", "--data.max_pairs_per_corpus=300", "--vocab.size=300",
+TINY = ["--config", "configs/local.toml", "--data.corpora=", "--data.max_pairs_per_corpus=300", "--vocab.size=300",
         "--vocab.sample_sentences=1000", "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2",
         "--model.n_encoder_layers=1", "--model.n_decoder_layers=1", "--train.max_steps=10",
         "--train.warmup_steps=5", "--checkpoint.interval_steps=5", "--metrics.log_interval_steps=5",

@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = [
+    "--data.corpora=",  # the mirror's three corpora, as test_end_to_end.py's TINY
     "--data.max_pairs_per_corpus=300", "--data.num_shards=2", "--vocab.size=300", "--vocab.sample_sentences=1000",
     "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2", "--model.n_encoder_layers=1",
     "--model.n_decoder_layers=1", "--model.max_positions=256",

@@ -240,9 +240,11 @@ def test_the_assumed_corpus_is_the_one_a_config_keeps():
     registry = {"wmt14": sources.wmt14, "multi30k": sources.multi30k}
     for (source, lang), n in bill.TRAIN_CORPORA.items():
         assert n == sum(c.split == "train" for c in registry[source]("en", lang)), (source, lang)
-    local = load_config("configs/local.toml")
-    assert bill.assumed_pairs(local) == 3 * local.data.max_pairs_per_corpus == 36_000
+    local = load_config("configs/local.toml")  # News Commentary alone (data.corpora)
+    assert bill.assumed_pairs(local) == 1 * local.data.max_pairs_per_corpus == 36_000
     assert bill.assumed_pairs(load_config("configs/base.toml")) == bill.ASSUMED_PAIRS["wmt14"]
-    assert bill.assumed_pairs(load_config("configs/local.toml", ["--data.tgt_lang=fr"])) == 5 * 12_000
+    every = ["--data.corpora=", "--data.max_pairs_per_corpus=12000"]
+    assert bill.assumed_pairs(load_config("configs/local.toml", ["--data.tgt_lang=fr", *every])) == 5 * 12_000
+    assert bill.assumed_pairs(load_config("configs/local.toml", every)) == 3 * 12_000
     mc = bill.model_config_for(local, {"vocab_size": local.vocab.size})
     assert "over 36,000 pairs of assumed lengths" in bill.epoch_shapes(local, mc)
