@@ -32,6 +32,27 @@ def mirror_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def multi30k_dir() -> Path:
+    """The offline stand-in for github.com/multi30k/dataset/raw/<commit>/: $MULTI30K_MIRROR, else
+    ../shared/data/multi30k, else .test-data/multi30k (`make test-data`)."""
+    from tests.support.test_data import data_dir, missing
+
+    path = data_dir("MULTI30K_MIRROR", "multi30k")
+    if path is None:
+        pytest.skip(missing("the offline Multi30k mirror (multi30k)", "MULTI30K_MIRROR"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def synthetic_mirror(tmp_path_factory) -> Path:
+    """A statmt.org-shaped mirror of generated EN-DE text (tests/support/synthetic_mirror.py), for
+    the tests whose point is the plumbing, not the real text: written here, so they never skip."""
+    from tests.support.synthetic_mirror import write_mirror
+
+    return write_mirror(tmp_path_factory.mktemp("synthetic_mirror"))
+
+
+@pytest.fixture(scope="session")
 def wmt14_dir() -> Path:
     """Plain-text newstest2013/2014 and training samples: $WMT14_DATA, else ../shared/data/wmt14, else
     .test-data/wmt14 (`make test-data`)."""

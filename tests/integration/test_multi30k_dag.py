@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
 from pipeline.dag import ORDER
-from tests.support.test_data import data_dir, missing
 from workflows import reproduce_base
 
 SMALL = [
@@ -25,14 +23,6 @@ SMALL = [
     "--eval.max_sentences=100", "--eval.dev_bleu_sentences=100", "--eval.attention_sentences=2",
     "--eval.max_len_b=10",
 ]
-
-
-@pytest.fixture(scope="module")
-def multi30k_dir() -> Path:
-    path = data_dir("MULTI30K_MIRROR", "multi30k")  # else ../shared/data/multi30k, else .test-data/multi30k
-    if path is None:
-        pytest.skip(missing("the offline Multi30k mirror (multi30k)", "MULTI30K_MIRROR"))
-    return path
 
 
 @pytest.mark.slow

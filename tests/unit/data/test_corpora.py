@@ -1,8 +1,9 @@
 """`data.corpora`: a run downloads the archives of the training corpora it reads, and nothing else.
 
-Local mode (configs/local.toml) reads News Commentary alone. Against the offline mirror served over
-HTTP on 127.0.0.1, its download stage asks for that archive, dev.tgz, test-full.tgz and the mirror's
-SHA256SUMS, and reads no byte of Europarl or CommonCrawl (the paper's other 1.5 GB).
+Local mode (configs/local.toml) reads News Commentary alone. Against a mirror served over HTTP on
+127.0.0.1 (statmt.org's layout, generated text: tests/support/synthetic_mirror.py), its download stage
+asks for that archive, dev.tgz, test-full.tgz and the mirror's SHA256SUMS, and reads no byte of
+Europarl or CommonCrawl (the paper's other 1.5 GB).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _download(cfg, out: Path):
     return download.run(StageContext(name="download", key="k", cfg=cfg, out_dir=str(out), inputs={}))
 
 
-def test_local_mode_downloads_news_commentary_dev_and_test_only(mirror_dir, tmp_path):
+def test_local_mode_downloads_news_commentary_dev_and_test_only(synthetic_mirror, tmp_path):
+    mirror_dir = synthetic_mirror
     sent: dict[str, int] = {}
     handler = type("Handler", (_CountingHandler,), {"sent": sent})
     with serve(functools.partial(handler, directory=str(mirror_dir))) as url:

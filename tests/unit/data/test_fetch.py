@@ -107,7 +107,8 @@ def test_not_an_archive_is_a_clear_error(tmp_path):
         extract_members(str(fake), fake.name, {"a": str(tmp_path / "a")})
 
 
-def test_missing_member_is_named(mirror_dir, tmp_path):
+def test_missing_member_is_named(synthetic_mirror, tmp_path):
+    mirror_dir = synthetic_mirror  # the layout matters here, not the text
     archive = mirror_dir / "wmt14" / "dev.tgz"
     with pytest.raises(DataError, match=r"dev\.tgz .*lacks \['dev/newstest2099\.en'\]"):
         extract_members(str(archive), "dev.tgz", {"dev/newstest2099.en": str(tmp_path / "x")})
@@ -134,7 +135,8 @@ def _ctx(cfg: Config, out: Path) -> StageContext:
     return StageContext(name="download", key="k", cfg=cfg, out_dir=str(out), inputs={})
 
 
-def test_download_stage_from_a_local_mirror(mirror_dir, tmp_path):
+def test_download_stage_from_a_local_mirror(synthetic_mirror, tmp_path):
+    mirror_dir = synthetic_mirror  # the layout matters here, not the text
     cfg = Config()
     cfg.data.mirror = str(mirror_dir)
     cfg.data.src_lang, cfg.data.tgt_lang = "de", "en"
@@ -150,7 +152,8 @@ def test_download_stage_from_a_local_mirror(mirror_dir, tmp_path):
         assert Path(f["src"]).is_file() and Path(f["tgt"]).is_file()
 
 
-def test_download_stage_rejects_a_mirror_with_a_bad_checksum(mirror_dir, tmp_path):
+def test_download_stage_rejects_a_mirror_with_a_bad_checksum(synthetic_mirror, tmp_path):
+    mirror_dir = synthetic_mirror  # the layout matters here, not the text
     mirror = tmp_path / "mirror"
     shutil.copytree(mirror_dir, mirror)
     (mirror / "wmt14" / "dev.tgz").write_bytes(b"tampered")

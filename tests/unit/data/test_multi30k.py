@@ -20,19 +20,9 @@ from pipeline.data.preprocess import preprocess_table
 from pipeline.decoding.text import TextFormat, lowercase_moses
 from pipeline.stage import StageContext
 from tests.support.http import serve
-from tests.support.test_data import data_dir, missing
 
 REPO = Path(__file__).resolve().parents[3]
 LINES = {"train": 29000, "dev": 1014, "test": 1000}
-
-
-@pytest.fixture(scope="module")
-def multi30k_dir() -> Path:
-    """The offline stand-in for github.com/multi30k/dataset/raw/<commit>/ (shared/data/multi30k)."""
-    path = data_dir("MULTI30K_MIRROR", "multi30k")  # else ../shared/data/multi30k, else .test-data/multi30k
-    if path is None:
-        pytest.skip(missing("the offline Multi30k mirror (multi30k)", "MULTI30K_MIRROR"))
-    return path
 
 
 def _cfg(mirror: str, work: Path) -> Config:
