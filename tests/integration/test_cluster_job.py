@@ -129,13 +129,13 @@ TINY = ["--config", "configs/local.toml", "--data.corpora=", "--data.max_pairs_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # two job submissions of the whole DAG, each waited up to 420 s
-def test_job_submit_runs_the_dag_on_s3_and_a_rerun_is_cached(cluster_env, s3_module, mlflow_uri, mirror_dir,
+def test_job_submit_runs_the_dag_on_s3_and_a_rerun_is_cached(cluster_env, s3_module, mlflow_uri, synthetic_mirror,
                                                              tmp_path):
     """`ray job submit` of the workflow to a Ray head, work dir in the bucket, tracking to the server."""
     from mlflow import MlflowClient
 
     work_dir = s3_module.uri("dag")
-    args = ["python", "workflows/reproduce_base.py", *TINY, f"--data.mirror={mirror_dir}",
+    args = ["python", "workflows/reproduce_base.py", *TINY, f"--data.mirror={synthetic_mirror}",
             f"--run.work_dir={work_dir}"]
     head = RayHead(tmp_path, num_cpus=2)
     try:

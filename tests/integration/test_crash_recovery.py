@@ -1,7 +1,8 @@
 """kill -9 the driver mid-encode, then mid-train; rerun; what MLflow and `--plan` say must be true.
 
 Each driver is `workflows/reproduce_base.py` in its own process session (its own local Ray), killed
-by process id. Toy sizes: a 300-pair sample per corpus, a 1+1-layer d_model=32 model, 24 steps.
+by process id. Toy sizes: 300 pairs of each corpus of the synthetic mirror (tests/support/synthetic_mirror.py:
+the point is the kills and the resume, not the text), a 1+1-layer d_model=32 model, 24 steps.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = [
-    "--data.corpora=",  # the mirror's three corpora, as test_end_to_end.py's TINY
+    "--data.corpora=",  # the mirror's three corpora
     "--data.max_pairs_per_corpus=300", "--data.num_shards=2", "--vocab.size=300", "--vocab.sample_sentences=1000",
     "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2", "--model.n_encoder_layers=1",
     "--model.n_decoder_layers=1", "--model.max_positions=256",
@@ -74,12 +75,12 @@ def plan(args: list[str], capsys) -> dict[str, tuple[str, str]]:
     return {r[0]: (r[2], r[3]) for r in rows if len(r) == 4 and r[0] in runner.ORDER}
 
 
-def test_killed_driver_mid_encode_and_mid_train(tmp_path, mirror_dir, capsys, monkeypatch):
+def test_killed_driver_mid_encode_and_mid_train(tmp_path, synthetic_mirror, capsys, monkeypatch):
     from mlflow import MlflowClient
 
     monkeypatch.chdir(REPO)
     work = tmp_path / "work"
-    args = [f"--run.work_dir={work}", f"--data.mirror={mirror_dir}", *TOY, "--to", "train"]
+    args = [f"--run.work_dir={work}", f"--data.mirror={synthetic_mirror}", *TOY, "--to", "train"]
     keys = runner.compute_keys(load_config("configs/local.toml", args[:-2]))
     encode_dir, train_run = work / "encode" / keys["encode"], work / "ray_train" / keys["train"]
 

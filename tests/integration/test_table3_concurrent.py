@@ -2,8 +2,9 @@
 one table.
 
 A head and a worker node (2 CPUs each) on 127.0.0.1; rows B1 (d_k = 16 < d_v = 32 at this size) and
-E (learned positions) of Table 3 on configs/local.toml at tiny sizes, with
-``--max-concurrent-rows 2``: the data stages run once, first, and are shared; each row's training
+E (learned positions) of Table 3 on configs/local.toml at tiny sizes, on the synthetic mirror's text
+(the point is the scheduling), with ``--max-concurrent-rows 2``: the data stages run once, first, and
+are shared; each row's training
 takes one node's CPUs, so the two train stages run at the same time (their MLflow runs' start/end
 times overlap). Row E's `average` stage is made to fail (in the driver process, below): B1 still
 finishes, the table marks E failed with the reason, and the same command run again runs only E's
@@ -65,7 +66,7 @@ def drive(argv: list[str], fail_row: str, log: Path) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # two sweep drivers (the second reruns the failed row), each waited up to 900 s
-def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_dir, monkeypatch, capsys):
+def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, synthetic_mirror, monkeypatch, capsys):
     from mlflow import MlflowClient
 
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # as cluster.yaml starts a cluster (and test_cluster_train.py)
@@ -73,7 +74,7 @@ def test_rows_run_side_by_side_and_a_failed_row_reruns_alone(tmp_path, mirror_di
     work = tmp_path / "work"
     head = RayHead(tmp_path, num_cpus=1)
     worker = head.add_worker(num_cpus=1)
-    common = ["--config", "configs/local.toml", f"--run.work_dir={work}", f"--data.mirror={mirror_dir}",
+    common = ["--config", "configs/local.toml", f"--run.work_dir={work}", f"--data.mirror={synthetic_mirror}",
               f"--run.ray_address={head.address}", "--workers.cpus_per_worker=1", *SIZES]
     argv = ["--rows", "B1,E", "--max-concurrent-rows", "2", *common]
     try:
