@@ -29,7 +29,8 @@ def assert_same_trace(got: dict, want: dict, key: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_training_and_beams_equal_the_recorded_traces(tmp_path, request):
+def test_training_and_beams_equal_the_recorded_traces(tmp_path, request, multi30k_dir, wmt14_dir):
+    # multi30k_dir, wmt14_dir: the text both traces read (a clone without it skips, naming `make test-data`)
     records = reference_trace.load()
     own = reference_trace.capability()
     keys = reference_trace.records_to_check(own, list(records))
