@@ -150,15 +150,15 @@ class Stage:
             if "." in item:
                 section, key = item.split(".", 1)
                 values = cfg.section_for_cache(section)
-                if key in values or not _unset_if_set(cfg, section, key):
+                if key in values or not _is_keyed_if_set(cfg, section, key):  # an unset one: out of the key
                     out[item] = values[key]
             else:
                 out[item] = cfg.section_for_cache(item)
         return out
 
 
-def _unset_if_set(cfg: Config, section: str, key: str) -> bool:
-    """Whether ``section.key`` is a `keyed_if_set` field left at its default: out of the key, as it
-    was before the field existed."""
+def _is_keyed_if_set(cfg: Config, section: str, key: str) -> bool:
+    """Whether ``section.key`` is a `keyed_if_set` field (at its default it is left out of the key,
+    as it was before the field existed)."""
     f = {f.name: f for f in dataclasses.fields(getattr(cfg, section))}[key]
     return f.metadata.get("cache") == "if_set"

@@ -1,8 +1,9 @@
 """Stage ``download``: fetch the raw parallel text and extract only the files we need.
 
-``data.source = "wmt14"``: the archives of ``pipeline.data.sources`` (those of the corpora ``data.corpora``
-names, with dev and test) from statmt.org or ``data.mirror``, each verified (the mirror's ``SHA256SUMS`` when it has one, else the registry's checksum where one
-is published), then streamed once to copy out the wanted members.
+``data.source = "wmt14"``: the archives of ``pipeline.data.sources`` (those of the training corpora
+``data.corpora`` names, and dev and test) from statmt.org or ``data.mirror``, each verified (the
+mirror's ``SHA256SUMS`` when it has one, else the registry's checksum where one is published), then
+streamed once to copy out the wanted members.
 ``data.source = "multi30k"``: Multi30k task 1's six gzipped text files from the ``multi30k/dataset``
 repository at a pinned commit (or ``data.mirror``), each checked against its sha256 (resumable
 download as for WMT14), stored decompressed.
