@@ -19,28 +19,29 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 collect_ignore = ["support/test_data.py"]
 
 
+def _offline_data(var: str, sub: str, what: str) -> Path:
+    """$var, else ../shared/data/<sub>, else .test-data/<sub>; none of them: the test skips, naming
+    `make test-data`."""
+    from tests.support.test_data import data_dir, missing
+
+    path = data_dir(var, sub)
+    if path is None:
+        pytest.skip(missing(f"{what} ({sub})", var))
+    return path
+
+
 @pytest.fixture(scope="session")
 def mirror_dir() -> Path:
     """The offline stand-in for statmt.org (real archive layouts, sampled data): $WMT14_MIRROR, else
     ../shared/data/statmt-mirror, else .test-data/statmt-mirror (`make test-data`)."""
-    from tests.support.test_data import data_dir, missing
-
-    path = data_dir("WMT14_MIRROR", "statmt-mirror")
-    if path is None:
-        pytest.skip(missing("the offline WMT14 mirror (statmt-mirror)", "WMT14_MIRROR"))
-    return path
+    return _offline_data("WMT14_MIRROR", "statmt-mirror", "the offline WMT14 mirror")
 
 
 @pytest.fixture(scope="session")
 def multi30k_dir() -> Path:
     """The offline stand-in for github.com/multi30k/dataset/raw/<commit>/: $MULTI30K_MIRROR, else
     ../shared/data/multi30k, else .test-data/multi30k (`make test-data`)."""
-    from tests.support.test_data import data_dir, missing
-
-    path = data_dir("MULTI30K_MIRROR", "multi30k")
-    if path is None:
-        pytest.skip(missing("the offline Multi30k mirror (multi30k)", "MULTI30K_MIRROR"))
-    return path
+    return _offline_data("MULTI30K_MIRROR", "multi30k", "the offline Multi30k mirror")
 
 
 @pytest.fixture(scope="session")
@@ -56,12 +57,7 @@ def synthetic_mirror(tmp_path_factory) -> Path:
 def wmt14_dir() -> Path:
     """Plain-text newstest2013/2014 and training samples: $WMT14_DATA, else ../shared/data/wmt14, else
     .test-data/wmt14 (`make test-data`)."""
-    from tests.support.test_data import data_dir, missing
-
-    path = data_dir("WMT14_DATA", "wmt14")
-    if path is None:
-        pytest.skip(missing("the WMT14 test files (wmt14)", "WMT14_DATA"))
-    return path
+    return _offline_data("WMT14_DATA", "wmt14", "the WMT14 test files")
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,8 @@ one table.
 A head and a worker node (2 CPUs each) on 127.0.0.1; rows B1 (d_k = 16 < d_v = 32 at this size) and
 E (learned positions) of Table 3 on configs/local.toml at tiny sizes, on the synthetic mirror's text
 (the point is the scheduling), with ``--max-concurrent-rows 2``: the data stages run once, first, and
-are shared; each row's training
-takes one node's CPUs, so the two train stages run at the same time (their MLflow runs' start/end
-times overlap). Row E's `average` stage is made to fail (in the driver process, below): B1 still
+are shared; each row's training takes one node's CPUs, so the two train stages run at the same time
+(their MLflow runs' start/end times overlap). Row E's `average` stage is made to fail (in the driver process, below): B1 still
 finishes, the table marks E failed with the reason, and the same command run again runs only E's
 unfinished stages; then both rows are in one table beside the paper's numbers, and a third row
 added afterwards plans only its own training and evaluation. (One row at a time, the default in

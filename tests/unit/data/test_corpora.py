@@ -16,6 +16,7 @@ import pytest
 
 from pipeline.config import ConfigError, load_config
 from pipeline.data import download, sources
+from pipeline.data.fetch import copy_stream
 from pipeline.stage import StageContext
 from tests.support.http import serve
 from workflows.preflight import check_corpora
@@ -27,11 +28,7 @@ class _CountingHandler(http.server.SimpleHTTPRequestHandler):
     sent: dict[str, int]
 
     def copyfile(self, source, outputfile):
-        n = 0
-        for chunk in iter(lambda: source.read(1 << 16), b""):
-            outputfile.write(chunk)
-            n += len(chunk)
-        self.sent[self.path] = self.sent.get(self.path, 0) + n
+        self.sent[self.path] = self.sent.get(self.path, 0) + copy_stream(source, outputfile)
 
     def log_message(self, *args):
         pass
@@ -42,16 +39,15 @@ def _download(cfg, out: Path):
 
 
 def test_local_mode_downloads_news_commentary_dev_and_test_only(synthetic_mirror, tmp_path):
-    mirror_dir = synthetic_mirror
     sent: dict[str, int] = {}
     handler = type("Handler", (_CountingHandler,), {"sent": sent})
-    with serve(functools.partial(handler, directory=str(mirror_dir))) as url:
+    with serve(functools.partial(handler, directory=str(synthetic_mirror))) as url:
         cfg = load_config("configs/local.toml", [f"--data.mirror={url}/", f"--run.work_dir={tmp_path}"])
         result = _download(cfg, tmp_path / "out")
 
     archives = {"/wmt14/training-parallel-nc-v9.tgz", "/wmt14/dev.tgz", "/wmt14/test-full.tgz"}
     assert set(sent) == archives | {"/SHA256SUMS"}
-    sizes = {p: (mirror_dir / p.lstrip("/")).stat().st_size for p in archives}
+    sizes = {p: (synthetic_mirror / p.lstrip("/")).stat().st_size for p in archives}
     assert {p: sent[p] for p in archives} == sizes  # each read once, whole
     assert result.metrics["download/bytes"] == sum(sizes.values())
     assert [c["corpus"] for c in result.outputs["train"]] == ["news_commentary_v9"]

@@ -108,8 +108,7 @@ def test_not_an_archive_is_a_clear_error(tmp_path):
 
 
 def test_missing_member_is_named(synthetic_mirror, tmp_path):
-    mirror_dir = synthetic_mirror  # the layout matters here, not the text
-    archive = mirror_dir / "wmt14" / "dev.tgz"
+    archive = synthetic_mirror / "wmt14" / "dev.tgz"
     with pytest.raises(DataError, match=r"dev\.tgz .*lacks \['dev/newstest2099\.en'\]"):
         extract_members(str(archive), "dev.tgz", {"dev/newstest2099.en": str(tmp_path / "x")})
 
@@ -136,9 +135,8 @@ def _ctx(cfg: Config, out: Path) -> StageContext:
 
 
 def test_download_stage_from_a_local_mirror(synthetic_mirror, tmp_path):
-    mirror_dir = synthetic_mirror  # the layout matters here, not the text
     cfg = Config()
-    cfg.data.mirror = str(mirror_dir)
+    cfg.data.mirror = str(synthetic_mirror)
     cfg.data.src_lang, cfg.data.tgt_lang = "de", "en"
     cfg.run.work_dir = str(tmp_path)
     res = download.run(_ctx(cfg, tmp_path / "out"))
@@ -153,14 +151,13 @@ def test_download_stage_from_a_local_mirror(synthetic_mirror, tmp_path):
 
 
 def test_download_stage_rejects_a_mirror_with_a_bad_checksum(synthetic_mirror, tmp_path):
-    mirror_dir = synthetic_mirror  # the layout matters here, not the text
     mirror = tmp_path / "mirror"
-    shutil.copytree(mirror_dir, mirror)
+    shutil.copytree(synthetic_mirror, mirror)
     (mirror / "wmt14" / "dev.tgz").write_bytes(b"tampered")
     cfg = Config()
     cfg.data.mirror = str(mirror)
     cfg.run.work_dir = str(tmp_path)
-    expected = sources.parse_sha256sums((mirror_dir / "SHA256SUMS").read_text())["wmt14/dev.tgz"]
+    expected = sources.parse_sha256sums((synthetic_mirror / "SHA256SUMS").read_text())["wmt14/dev.tgz"]
     msg = rf"checksum mismatch for dev\.tgz \(.*wmt14/dev\.tgz\): expected sha256 {expected}, got "
     with pytest.raises(ChecksumError, match=msg):
         download.run(_ctx(cfg, tmp_path / "out"))
