@@ -52,9 +52,9 @@ def app_args(args: argparse.Namespace, root: Path) -> dict:
     if args.config:
         return {"config": args.config, **common}
     from pipeline.decoding.conversion import export_all
-    from tests.support.tiny_model import train_tiny_model
+    from tests.support.tiny_model import news_pairs, train_tiny_model
 
-    tiny = train_tiny_model(Path(args.data), root / "tiny")
+    tiny = train_tiny_model(news_pairs(Path(args.data)), root / "tiny")
     out = {"model_dir": tiny["model_dir"], "spm": tiny["spm"], **common}
     if args.backend == "ctranslate2":
         out["ct2_model"] = export_all(tiny["model"], tiny["model_config"], tiny["spm"], root / "export")["ct2_int8"]

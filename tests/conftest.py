@@ -61,13 +61,16 @@ def wmt14_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, wmt14_dir) -> dict:
-    """A 2+2-layer model trained ~20 s on news-commentary (tests/support/tiny_model.py), and its
-    SentencePiece model: ``{"model", "model_dir", "model_config", "spm"}``; the export, backend and
-    serve tests use it, and the reference trace checks its weights to the bit."""
-    from tests.support.tiny_model import train_tiny_model
+def tiny_model(tmp_path_factory) -> dict:
+    """A 2+2-layer model trained ~20 s on the generated toy language (tests/support/tiny_model.py),
+    and its SentencePiece model: ``{"model", "model_dir", "model_config", "spm", "test_en",
+    "test_de"}``, the last two 200 held-out sentence pairs to translate; the export, backend,
+    registry and serve tests use it. No data files: it runs on any clone."""
+    from tests.support.tiny_model import TOY_TEST_SEED, toy_pairs, train_tiny_model
 
-    return train_tiny_model(wmt14_dir, tmp_path_factory.mktemp("tiny_model"))
+    tiny = train_tiny_model(toy_pairs(8000), tmp_path_factory.mktemp("tiny_model"))
+    tiny["test_en"], tiny["test_de"] = toy_pairs(200, TOY_TEST_SEED)
+    return tiny
 
 
 @pytest.fixture(scope="session")

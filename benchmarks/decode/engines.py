@@ -36,9 +36,9 @@ def engine_assets(args: argparse.Namespace, root: Path) -> dict:
         files = find_model(config=args.config, work_dir=args.work_dir)
         assets = {"model": files.model, "model_config": files.model_config, "spm": files.spm}
     else:
-        from tests.support.tiny_model import train_tiny_model
+        from tests.support.tiny_model import news_pairs, train_tiny_model
 
-        assets = train_tiny_model(Path(args.data), root / "tiny")
+        assets = train_tiny_model(news_pairs(Path(args.data)), root / "tiny")
     assets.update(export_all(assets["model"], assets["model_config"], assets["spm"], root / "export"))
     return assets
 

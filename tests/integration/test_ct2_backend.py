@@ -2,7 +2,8 @@
 Data actors, hypotheses in source order, empty and over-long lines handled as with our beam search.
 
 Greedy decoding (beam 1, alpha 0) is the same search in both engines, so the two backends must
-write identical hypothesis files for the tiny trained model (tests/integration/conftest.py).
+write identical hypothesis files for the tiny trained model (tests/conftest.py), on held-out
+sentences of its toy language.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ NUM_LINES = 30
 
 
 @pytest.fixture(scope="module")
-def split_dir(tiny_model, wmt14_dir, tmp_path_factory) -> Path:
+def split_dir(tiny_model, tmp_path_factory) -> Path:
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=tiny_model["spm"])
-    en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:NUM_LINES]
+    en = tiny_model["test_en"][:NUM_LINES]
     en[4] = ""  # an empty source gives an empty line
-    en[11] = " ".join(en[12:25])  # over max_source_len (205 pieces at max_positions 256): truncated
+    en[11] = " ".join(tiny_model["test_en"][NUM_LINES:])  # over max_source_len (max_positions 256): truncated
+    assert len(sp.encode(en[11])) > tiny_model["model_config"]["max_positions"]
     out = tmp_path_factory.mktemp("ct2_split")
     for shard, rows in enumerate([range(1, NUM_LINES, 2), range(0, NUM_LINES, 2)]):  # interleaved shards
         rows = list(rows)

@@ -1,6 +1,6 @@
 """The export round trips, checked against transformers and ctranslate2 themselves.
 
-A tiny model trained here (tests/integration/conftest.py), 50 newstest2014 sentences:
+A tiny model trained here on the toy language (tests/conftest.py), 50 held-out sentences of it:
 teacher-forced logits of MarianMTModel equal ours within 1e-4; greedy outputs of ours,
 ``generate(num_beams=1)`` and CTranslate2 ``translate_batch(beam_size=1)`` are identical, and so are
 their beam-4 outputs without length penalty; with alpha 0.6 beam-4 BLEU of each is printed side by
@@ -26,12 +26,11 @@ MAX_LEN_A, MAX_LEN_B = 1.0, 50  # §6.1, our defaults
 
 
 @pytest.fixture(scope="module")
-def data(tiny_model, wmt14_dir):
+def data(tiny_model):
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=tiny_model["spm"])
-    en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:NUM_SENTENCES]
-    de = (wmt14_dir / "newstest2014.de").read_text(encoding="utf-8").splitlines()[:NUM_SENTENCES]
+    en, de = tiny_model["test_en"][:NUM_SENTENCES], tiny_model["test_de"][:NUM_SENTENCES]
     model = load_model(tiny_model["model"], tiny_model["model_config"])
     return {"sp": sp, "en": en, "de": de, "model": model, "cfg": model.cfg,
             "src": [sp.encode(s) + [model.cfg.eos_id] for s in en]}
@@ -65,7 +64,7 @@ def test_hf_logits_equal_ours_teacher_forced(tiny_export, data):
         theirs = hf(input_ids=src_ids, attention_mask=src_ids.ne(cfg.pad_id), decoder_input_ids=tgt_ids,
                     decoder_attention_mask=tgt_ids.ne(cfg.pad_id)).logits
     real = tgt_ids.ne(cfg.pad_id)
-    assert real.sum() > 1000
+    assert real.sum() > 8 * NUM_SENTENCES  # every position of every target (~10 pieces a sentence)
     assert (ours - theirs)[real].abs().max().item() < 1e-4
 
 
@@ -124,15 +123,14 @@ def test_greedy_outputs_identical_ours_hf_ct2(tiny_export, data):
     assert _ct2_translate(tiny_export["ct2_float32"], data, beam_size=1, length_penalty=2.0) == ct2
     int8 = _ct2_translate(tiny_export["ct2_int8"], data, beam_size=1)
     same = sum(a == b for a, b in zip(int8, ours))
-    # int8 rounding flips the near-ties of a barely trained model, and how often depends on the CPU's
-    # int8 kernels (22/50 equal on an AVX512 machine, 0/50 on an AVX2 one, where the greedy paths part
-    # after a few tokens): so int8 is judged teacher-forced, on ours' hypotheses, against float32.
+    # int8 rounding flips near-ties, which a confident model has few of: 48/50 equal here (AVX2).
+    # It is also judged teacher-forced, on ours' hypotheses, against float32: the mean log-prob per
+    # token (close to 0 for a model that knows the language, so compared in nats, not relatively).
     f32, q8 = (_ct2_token_logprob(tiny_export[k], data, ours) for k in ("ct2_float32", "ct2_int8"))
-    rel = sorted(abs(a - b) / abs(a) for a, b in zip(f32, q8))
+    gap = abs(sum(q8) - sum(f32)) / len(f32)
     print(f"\ngreedy: CTranslate2 int8 equals ours on {same}/{NUM_SENTENCES} sentences (quantized weights); "
-          f"mean log-prob per token of ours' outputs: float32 {sum(f32) / len(f32):.3f}, int8 {sum(q8) / len(q8):.3f}, "
-          f"median relative difference {rel[len(rel) // 2]:.3f}")
-    assert rel[len(rel) // 2] < 0.1 and abs(sum(q8) - sum(f32)) < 0.1 * abs(sum(f32))  # measured: 0.04, 4%
+          f"mean log-prob per token of ours' outputs: float32 {sum(f32) / len(f32):.3f}, int8 {sum(q8) / len(q8):.3f}")
+    assert same >= 0.8 * NUM_SENTENCES and gap < 0.05  # measured: 48/50, 0.021 nats
 
 
 def _agree_but_for_near_ties(theirs: list[list[int]], plain: list[list[int]]) -> None:
@@ -169,7 +167,7 @@ def test_beam4_ours_hf_ct2_agree_and_bleu_side_by_side(tiny_export, data):
             "transformers (|Y|^0.6)": _hf_generate(hf, data, num_beams=4, length_penalty=0.6)}
     for q in ("float32", "int8"):
         hyps[f"ctranslate2 {q} (|Y|^0.6)"] = _ct2_translate(tiny_export[f"ct2_{q}"], data, 4, length_penalty=0.6)
-    print(f"\nbeam 4 on the first {NUM_SENTENCES} newstest2014 sentences (tiny model):")
+    print(f"\nbeam 4 on {NUM_SENTENCES} held-out toy sentences (tiny model):")
     for name, ids in hyps.items():
         same = sum(a == b for a, b in zip(ids, hyps["transformers (|Y|^0.6)"]))
         bleu = sacrebleu.corpus_bleu([sp.decode(h) for h in ids], [data["de"]]).score

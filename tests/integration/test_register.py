@@ -1,6 +1,6 @@
 """The ``register`` stage: an MLflow Model Registry version that MLflow's own tools load and serve.
 
-The tiny trained and exported model (tests/integration/conftest.py) is registered with beam 1 so
+The tiny trained and exported model (tests/conftest.py, tests/integration/conftest.py) is registered with beam 1 so
 that its translations have an independent reference: our greedy search (test_export.py shows the
 Marian folder's greedy outputs equal ours). Checked with MLflow itself: the version's tags and run,
 ``mlflow.pyfunc.load_model("models:/...")``, ``mlflow models serve --env-manager local``, the
@@ -26,8 +26,8 @@ NUM_SENTENCES = 6
 
 
 @pytest.fixture(scope="module")
-def sentences(wmt14_dir) -> list[str]:
-    return (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:NUM_SENTENCES]
+def sentences(tiny_model) -> list[str]:
+    return tiny_model["test_en"][:NUM_SENTENCES]
 
 
 @pytest.fixture(scope="module")

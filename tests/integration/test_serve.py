@@ -1,6 +1,6 @@
 """The Ray Serve app on 127.0.0.1 (the test session's local Ray): good and bad requests, all answered.
 
-The tiny trained model (tests/integration/conftest.py) behind ``POST /translate``: translations
+The tiny model trained on the toy language (tests/conftest.py) behind ``POST /translate``: translations
 equal the ``Translator``'s for the same sentences; concurrent clients each get their own
 sentences translated (no cross-talk between requests batched together); each kind
 of bad input gets a 4xx naming the problem, and the replica keeps serving afterwards. The same
@@ -28,6 +28,9 @@ from tests.support.s3 import s3, s3_module  # noqa: F401 - fixtures
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_SENTENCES, MAX_CHARS, MAX_LEN_B, MAX_BYTES = 4, 4000, 20, 16384
+# 150 pieces of the tiny model's vocabulary ("▁house" is one): over the 128 the attention view
+# takes (max_attention_pieces), within the 235 the model takes.
+LONG_FOR_ATTENTION = "house " * 150
 
 
 def _post(url: str, body, headers: dict | None = None, with_headers: bool = False):
@@ -74,10 +77,10 @@ def server(tiny_model, ray_local):
         serve.shutdown()
 
 
-def test_good_requests_are_translated_like_the_translator_does(server, tiny_model, wmt14_dir):
+def test_good_requests_are_translated_like_the_translator_does(server, tiny_model):
     from pipeline.decoding.translator import Translator
 
-    en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:3]
+    en = tiny_model["test_en"][:3]
     status, out = _post(f"{server}/translate", _json({"text": [en[0], "", en[1], en[2]]}))
     assert status == 200, out
     tr = Translator(tiny_model["model"], tiny_model["model_config"], tiny_model["spm"],
@@ -88,13 +91,13 @@ def test_good_requests_are_translated_like_the_translator_does(server, tiny_mode
         assert r.status == 200 and json.loads(r.read())["status"] == "ok"
 
 
-def test_concurrent_clients_each_get_their_own_sentences_translated(server, tiny_model, wmt14_dir):
+def test_concurrent_clients_each_get_their_own_sentences_translated(server, tiny_model):
     """Cross-talk: 16 clients at once, different sentences and counts (1-4), batched together by
     ``@serve.batch`` (max 8 sentences a batch); each answer must be its own sentences, in its order,
     translated as the Translator translates each sentence alone."""
     from pipeline.decoding.translator import Translator
 
-    en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[100:140]
+    en = tiny_model["test_en"][100:140]
     requests, i = [], 0
     for n in [1, 2, 3, 4] * 4:
         requests.append(en[i: i + n])
@@ -143,7 +146,7 @@ def test_concurrent_clients_each_get_their_own_sentences_translated(server, tiny
     (_json({"text": ["a" * 10] * 3, "pad": "x" * MAX_BYTES}), 413, f"(Content-Length); at most {MAX_BYTES}"),
     # The page's options: attention for one sentence of a bounded length, the limits named.
     (_json({"text": ["a", "b"], "attention": True}), 422, "one sentence per request; this one has 2"),
-    (_json({"text": ["word " * 70], "attention": True}), 413, "at most 128 pieces (eos included; max_attention_pieces)"),
+    (_json({"text": [LONG_FOR_ATTENTION], "attention": True}), 413, "at most 128 pieces (eos included; max_attention_pieces)"),
     (_json({"text": ["   "], "attention": True}), 422, "needs a sentence with some text"),
     (_json({"text": [""], "attention": True}), 422, "needs a sentence with some text"),
     (_json({"text": ["a\u0000b"]}), 422, '"text"[0] holds a control character (U+0000'),
@@ -185,14 +188,13 @@ def _deploy(name: str, args: dict) -> str:
     return name
 
 
-def _same_answers(server: str, name: str, wmt14_dir) -> None:
-    en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:3]
+def _same_answers(server: str, name: str, en: list[str]) -> None:
     want = _post(f"{server}/translate", _json({"text": en}))
     got = _post(f"{server}/{name}/translate", _json({"text": en}))
     assert got == want and want[0] == 200
 
 
-def test_serve_a_config_from_an_s3_work_dir(server, s3, tiny_model, wmt14_dir):  # noqa: F811
+def test_serve_a_config_from_an_s3_work_dir(server, s3, tiny_model):  # noqa: F811
     from ray import serve
 
     from pipeline import storage
@@ -209,7 +211,7 @@ def test_serve_a_config_from_an_s3_work_dir(server, s3, tiny_model, wmt14_dir): 
                                "model_config": tiny_model["model_config"]}}, to="average")
     args = {"config": "configs/local.toml", "work_dir": work_dir, "beam_size": "2", "max_len_b": str(MAX_LEN_B)}
     try:
-        _same_answers(server, _deploy("s3", args), wmt14_dir)
+        _same_answers(server, _deploy("s3", args), tiny_model["test_en"][:3])
         with urllib.request.urlopen(f"{server}/s3/health", timeout=30) as r:
             assert "config configs/local.toml (average " in json.loads(r.read())["origin"]
     finally:
@@ -221,7 +223,7 @@ def test_serve_a_config_from_an_s3_work_dir(server, s3, tiny_model, wmt14_dir): 
         build_app({**args, "overrides": "--model.d_ff=96"})
 
 
-def test_serve_a_registry_version(server, tiny_model, tiny_export, tmp_path, wmt14_dir):
+def test_serve_a_registry_version(server, tiny_model, tiny_export, tmp_path):
     from ray import serve
 
     from tests.support.registered import NAME, register_tiny
@@ -233,7 +235,7 @@ def test_serve_a_registry_version(server, tiny_model, tiny_export, tmp_path, wmt
     MlflowClient(uri, registry_uri=uri).set_registered_model_alias(NAME, "champion", version)
     args = {"model": f"models:/{NAME}@champion", "tracking_uri": uri, "beam_size": "2", "max_len_b": str(MAX_LEN_B)}
     try:
-        _same_answers(server, _deploy("registry", args), wmt14_dir)
+        _same_answers(server, _deploy("registry", args), tiny_model["test_en"][:3])
         with urllib.request.urlopen(f"{server}/registry/health", timeout=30) as r:  # what the page states
             info = json.loads(r.read())
         assert info["origin"] == f"models:/{NAME}@champion"
@@ -242,10 +244,10 @@ def test_serve_a_registry_version(server, tiny_model, tiny_export, tmp_path, wmt
         serve.delete("registry")
 
 
-def test_an_overloaded_replica_answers_503_with_retry_after(server, tiny_model, wmt14_dir):
+def test_an_overloaded_replica_answers_503_with_retry_after(server, tiny_model):
     from ray import serve
 
-    en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:4]
+    en = tiny_model["test_en"][:4]
     args = {"model_dir": tiny_model["model_dir"], "spm": tiny_model["spm"], "max_batch_size": "1",
             "max_ongoing_requests": "1", "max_queued_requests": "1", "retry_after_s": "2"}
     name = _deploy("tight", args)
@@ -261,22 +263,28 @@ def test_an_overloaded_replica_answers_503_with_retry_after(server, tiny_model, 
         serve.delete(name)
 
 
-def test_attention_is_the_score_stages_function_and_rows_sum_to_one(server, tiny_model, wmt14_dir):
+def test_attention_is_the_score_stages_function_and_rows_sum_to_one(server, tiny_model):
     """`"attention": true` returns what `pipeline.decoding.attention_maps.translation_attention` (the
     score report's heatmaps) gives for the same model, sentence and translation, exactly."""
     import sentencepiece as spm
+    import torch
 
     from pipeline.decoding.attention_maps import translation_attention
     from pipeline.decoding.translator import load_model
 
-    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[5]
+    sentence = tiny_model["test_en"][5]
     status, out = _post(f"{server}/translate", _json({"text": [sentence], "attention": True}))
     assert status == 200, out
     plain = _post(f"{server}/translate", _json({"text": [sentence]}))[1]
     assert out["translations"] == plain["translations"] and "attention" not in plain  # the same translation
     sp = spm.SentencePieceProcessor(model_file=tiny_model["spm"])
     model = load_model(tiny_model["model"], tiny_model["model_config"])
-    want = translation_attention(model, sp, sp.encode(sentence), out["translations"][0]).to_json()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the replica's (num_cpus_per_replica): a product's last bits depend on the count
+    try:
+        want = translation_attention(model, sp, sp.encode(sentence), out["translations"][0]).to_json()
+    finally:
+        torch.set_num_threads(threads)
     assert out["attention"] == want
     att = out["attention"]
     S, T, L = len(att["src_pieces"]), len(att["tgt_pieces"]), model.cfg.n_decoder_layers
@@ -287,7 +295,7 @@ def test_attention_is_the_score_stages_function_and_rows_sum_to_one(server, tiny
         assert all(abs(sum(r) - 1.0) < 1e-5 for layer in maps for head in layer for r in head)
 
 
-def test_explain_opens_a_row_of_the_served_attention(server, tiny_model, wmt14_dir):
+def test_explain_opens_a_row_of_the_served_attention(server, tiny_model):
     """`"explain"` returns the row of `"attention"`'s map it names, exactly, from the same translation;
     on this trained model leaving out 1/sqrt(d_k) makes every row with two or more keys more peaked."""
     import math
@@ -297,7 +305,7 @@ def test_explain_opens_a_row_of_the_served_attention(server, tiny_model, wmt14_d
     from pipeline.decoding.attention_explain import explain_attention
     from pipeline.decoding.translator import load_model
 
-    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[5]
+    sentence = tiny_model["test_en"][5]
     for kind, layer, head, query in (("cross", 1, 2, 1), ("decoder_self", 0, 3, 2), ("encoder_self", 1, 0, 4)):
         ask = {"kind": kind, "layer": layer, "head": head, "query": query}
         status, out = _post(f"{server}/translate", _json({"text": [sentence], "attention": True, "explain": ask}))
@@ -325,8 +333,8 @@ def test_explain_opens_a_row_of_the_served_attention(server, tiny_model, wmt14_d
             assert math.isclose(sum(e["weights"]), 1.0, rel_tol=1e-5)
 
 
-def test_bad_explain_requests_are_refused_by_name(server, wmt14_dir):
-    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[5]
+def test_bad_explain_requests_are_refused_by_name(server, tiny_model):
+    sentence = tiny_model["test_en"][5]
     good = {"kind": "cross", "layer": 0, "head": 0, "query": 0}
     cases = [
         ({**good, "layer": 2}, 422, '"layer" 2 is out of range: there are 2 the model\'s cross layers'),
@@ -341,15 +349,15 @@ def test_bad_explain_requests_are_refused_by_name(server, wmt14_dir):
         assert got[0] == status and words in got[1]["detail"], (ask, got)
     got = _post(f"{server}/translate", _json({"text": [sentence, sentence], "explain": good}))
     assert got[0] == 422 and "one sentence per request" in got[1]["detail"], got
-    got = _post(f"{server}/translate", _json({"text": ["word " * 70], "explain": good}))
+    got = _post(f"{server}/translate", _json({"text": [LONG_FOR_ATTENTION], "explain": good}))
     assert got[0] == 413 and '"explain" is given for sentences of at most 128 pieces' in got[1]["detail"], got
     assert _post(f"{server}/translate", _json({"text": [sentence], "explain": good}))[0] == 200  # and it serves on
 
 
-def test_a_request_may_set_its_beam_and_alpha_within_the_limits(server, tiny_model, wmt14_dir):
+def test_a_request_may_set_its_beam_and_alpha_within_the_limits(server, tiny_model):
     from pipeline.decoding.translator import Translator
 
-    en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[6:8]
+    en = tiny_model["test_en"][6:8]
     status, out = _post(f"{server}/translate", _json({"text": en, "beam_size": 1, "alpha": 1.0}))
     assert status == 200, out
     greedy = Translator(tiny_model["model"], tiny_model["model_config"], tiny_model["spm"],
@@ -404,13 +412,13 @@ def _wait(browser, predicate, timeout_s: float = 60.0):
     return WebDriverWait(browser, timeout_s).until(lambda d: predicate(d))
 
 
-def test_the_page_translates_and_draws_the_apis_attention(server, browser, wmt14_dir, tmp_path):
+def test_the_page_translates_and_draws_the_apis_attention(server, browser, tiny_model, tmp_path):
     """A real browser: type, click Translate; the translation shown is the API's, and the heatmap's
     cells for one head are the API's weights."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[9]
+    sentence = tiny_model["test_en"][9]
     api = _post(f"{server}/translate", _json({"text": [sentence], "attention": True}))[1]
     browser.get(f"{server}/")
     _wait(browser, lambda d: "Model:" in d.find_element(By.ID, "model").text)
@@ -440,7 +448,7 @@ def test_the_page_names_the_limit_a_sentence_breaks(server, browser):
 
     browser.get(f"{server}/")
     _wait(browser, lambda d: "Model:" in d.find_element(By.ID, "model").text)
-    browser.find_element(By.ID, "source").send_keys("word " * 70)
+    browser.find_element(By.ID, "source").send_keys(LONG_FOR_ATTENTION)
     browser.find_element(By.ID, "translate").click()
     _wait(browser, lambda d: d.find_element(By.ID, "error").text != "")
     assert browser.find_element(By.ID, "error").text.startswith("413: ")
@@ -509,14 +517,14 @@ def _entropy(weights: list[float]) -> float:
     return -sum(w * math.log(w) for w in weights if w > 0)
 
 
-def test_the_page_steps_through_how_a_cross_attention_row_was_computed(server, browser, wmt14_dir, tmp_path):
+def test_the_page_steps_through_how_a_cross_attention_row_was_computed(server, browser, tiny_model, tmp_path):
     """A real browser: click a cross-attention cell; the step view shows the API's numbers for that
     row: its weights are the "attention" map's row exactly, the query is the explanation's, and
     "without sqrt(d_k)" shows softmax(q.k) of the explanation's scores, more peaked (lower entropy)."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    sentence = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[9]
+    sentence = tiny_model["test_en"][9]
     layer, head, row = 1, 2, 1
     api = _post(f"{server}/translate", _json({"text": [sentence], "attention": True}))[1]
     browser.get(f"{server}/")

@@ -139,13 +139,12 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def trace(root: Path, tiny: dict | None = None) -> dict:
-    """Both fixtures, computed now under `root` (a scratch folder). `tiny`: the beam model
-    `train_tiny_model` already trained in this process (the test session's), else trained here."""
+def trace(root: Path) -> dict:
+    """Both fixtures, computed now under `root` (a scratch folder)."""
     from pipeline.config import load_config
     from pipeline.models import model_config_for
     from pipeline.train.loop import LocalSession, LoopSpec, Trainer
-    from tests.support.tiny_model import train_tiny_model
+    from tests.support.tiny_model import news_pairs, train_tiny_model
 
     threads = torch.get_num_threads()
     try:
@@ -160,7 +159,7 @@ def trace(root: Path, tiny: dict | None = None) -> dict:
         session = LocalSession(root / "ckpt")
         summary = Trainer(spec, session).run()
         state = torch.load(session.checkpoints()[-1] / "model.pt", map_location="cpu", weights_only=True)
-        tiny = tiny or train_tiny_model(wmt14_dir(), root / "tiny")  # one thread, seeded
+        tiny = train_tiny_model(news_pairs(wmt14_dir()), root / "tiny")  # one thread, seeded
         beams, tiny_state = _beams(tiny)
         return {"precision": summary["precision"],
                 "losses": [[_bits(h[1]), _bits(h[2])] for h in summary["history_train"]],

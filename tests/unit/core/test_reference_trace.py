@@ -29,7 +29,7 @@ def assert_same_trace(got: dict, want: dict, key: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_training_and_beams_equal_the_recorded_traces(tmp_path, request, multi30k_dir, wmt14_dir):
+def test_training_and_beams_equal_the_recorded_traces(tmp_path, multi30k_dir, wmt14_dir):
     # multi30k_dir, wmt14_dir: the text both traces read (a clone without it skips, naming `make test-data`)
     records = reference_trace.load()
     own = reference_trace.capability()
@@ -43,8 +43,7 @@ def test_training_and_beams_equal_the_recorded_traces(tmp_path, request, multi30
     below = {key: reference_trace.start_trace(key, tmp_path / key.replace(" ", "-")) for key in keys if key != own}
     try:
         if own in keys:
-            tiny = request.getfixturevalue("tiny_model")  # the session's beam model (trained once)
-            assert_same_trace(reference_trace.trace(tmp_path / "own", tiny), records[own], own)
+            assert_same_trace(reference_trace.trace(tmp_path / "own"), records[own], own)
         for key, (proc, out) in below.items():
             assert_same_trace(reference_trace.finish_trace(proc, out, key), records[key], key)
     finally:
