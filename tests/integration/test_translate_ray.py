@@ -1,13 +1,12 @@
 """The translate stage on Ray Data: 1 and 2 workers agree, order and bad input are handled; the CLI.
 
-A tiny random Transformer and a tiny SentencePiece model trained here on newstest2013 lines:
-the hypotheses are nonsense, but a deterministic function of each source, which is all that
-ordering and worker-count checks need.
+The session's tiny model (tests/conftest.py: trained on the tests' toy language, no data files) on
+held-out sentences of that language: its hypotheses differ by source, which is what the ordering
+and worker-count checks need.
 """
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from model import ModelConfig, Transformer
+from model import ModelConfig
 from model import max_source_len
 from pipeline.decoding.batching import plan_split, read_split
 from pipeline.decoding.translator import Translator
@@ -35,33 +34,23 @@ MAX_LEN_B = 4  # max source length = (256 - 1 - 4) / 1 = 251 pieces incl. eos
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory, wmt14_dir):
+def assets(tiny_model, tmp_path_factory):
     """spm.model, an average-style model dir, and an encoded 'test' split with bad lines."""
     import sentencepiece as spm
 
+    from tests.support.tiny_model import TOY_TEST_SEED, toy_pairs
+
     root = tmp_path_factory.mktemp("translate")
-    en = (wmt14_dir / "newstest2013.en").read_text(encoding="utf-8").splitlines()[:300]
-    de = (wmt14_dir / "newstest2013.de").read_text(encoding="utf-8").splitlines()[:300]
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(en + de), model_prefix=str(root / "spm"),
-                                   vocab_size=400, model_type="bpe", character_coverage=1.0,
-                                   pad_id=0, unk_id=1, bos_id=2, eos_id=3, num_threads=1,
-                                   minloglevel=2)
-    sp = spm.SentencePieceProcessor(model_file=str(root / "spm.model"))
+    sp = spm.SentencePieceProcessor(model_file=tiny_model["spm"])
+    cfg = ModelConfig.from_dict(tiny_model["model_config"])
+    assert cfg.max_positions == MAX_POSITIONS
+    model_dir = Path(tiny_model["model_dir"])
 
-    cfg = ModelConfig(vocab_size=sp.get_piece_size(), d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1,
-                      n_decoder_layers=1, max_positions=MAX_POSITIONS, dropout=0.0)
-    torch.manual_seed(0)
-    model_dir = root / "average"
-    model_dir.mkdir()
-    torch.save(Transformer(cfg).state_dict(), model_dir / "model.pt")
-    (model_dir / "model_config.json").write_text(json.dumps(cfg.to_dict()))
-
-    test_en = (wmt14_dir / "newstest2014.en").read_text(encoding="utf-8").splitlines()[:NUM_LINES]
-    test_de = (wmt14_dir / "newstest2014.de").read_text(encoding="utf-8").splitlines()[:NUM_LINES]
-    src = list(test_en)
+    test_en, test_de = toy_pairs(2 * NUM_LINES, TOY_TEST_SEED)
+    src = test_en[:NUM_LINES]
     src[3] = ""  # empty source lines stay empty
     src[17] = ""
-    src[9] = " ".join(test_en[:8])  # far longer than 251 pieces: truncated
+    src[9] = " ".join(test_en[NUM_LINES:])  # far longer than 251 pieces: truncated
     ids = [sp.encode(s) for s in src]
     split_dir = root / "encode" / "test"
     split_dir.mkdir(parents=True)
@@ -75,7 +64,7 @@ def assets(tmp_path_factory, wmt14_dir):
             "tgt_len": pa.array([len(sp.encode(test_de[i])) for i in rows], pa.int32()),
             "src": [src[i] for i in rows], "tgt": [test_de[i] for i in rows]}),
             split_dir / f"part-{shard:05d}.parquet")
-    return {"root": root, "spm": str(root / "spm.model"), "model_dir": model_dir, "split_dir": split_dir,
+    return {"root": root, "spm": tiny_model["spm"], "model_dir": model_dir, "split_dir": split_dir,
             "src": src, "ids": ids, "cfg": cfg}
 
 
@@ -144,7 +133,8 @@ def test_two_workers_give_the_one_worker_hypotheses_in_source_order(assets, tmp_
     scored = score.run(score_ctx)
     assert set(scored.metrics) == {"test/bleu_sacre", "test/bleu_tok_cs", "test/chrf"}
     report = (tmp_path / "score" / "report.md").read_text()
-    assert "20 steps" in report and "d_model 32" in report and "2 empty sources, 1 truncated" in report
+    assert "20 steps" in report and f"d_model {assets['cfg'].d_model}" in report
+    assert "2 empty sources, 1 truncated" in report
 
 
 def test_cli_translates_stdin_line_by_line(assets):
