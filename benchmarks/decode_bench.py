@@ -154,7 +154,7 @@ def where_assets(args: argparse.Namespace) -> dict:
     avg = found["average"].outputs
     df = batching.read_split(found["encode"].outputs["splits"]["test"]["dir"], ["idx", "src_ids"])
     mcfg = ModelConfig.from_dict(avg["model_config"])
-    settings = asdict(DecodeSettings.of(cfg.eval))
+    settings = asdict(DecodeSettings.of(cfg.decode))
     max_len = max_source_len(mcfg.max_positions, settings["max_len_a"], settings["max_len_b"])
     rows, _ = batching.plan_split("test", df, max_len, mcfg.eos_id, args.batch_tokens)
     kwargs = {"model_path": avg["model"], "model_config": avg["model_config"],

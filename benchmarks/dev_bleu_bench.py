@@ -17,7 +17,7 @@ read back from MLflow.
 
     .venv/bin/python benchmarks/dev_bleu_bench.py --validation [--threads 1,2] [--beam 1]
     .venv/bin/python benchmarks/dev_bleu_bench.py --stall --work-dir /tmp/devbleu-bench [--max-steps 300] \
-        [--also "--eval.dev_bleu_sentences=300 --eval.dev_bleu_beam_size=0 --eval.dev_bleu_engine=ctranslate2"]
+        [--also "--dev_bleu.sentences=300 --dev_bleu.beam_size=0 --dev_bleu.engine=ctranslate2"]
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _train_run(work: Path, mirror: str, dev_bleu: bool, max_steps: int, force: b
     from workflows import reproduce_base
 
     args = ["--config", "configs/local.toml", f"--run.work_dir={work}", f"--data.mirror={mirror}",
-            f"--train.max_steps={max_steps}", f"--eval.dev_bleu={str(dev_bleu).lower()}", *(overrides or []),
+            f"--train.max_steps={max_steps}", f"--dev_bleu.enabled={str(dev_bleu).lower()}", *(overrides or []),
             "--to", "train"]
     t0 = time.perf_counter()
     assert reproduce_base.main([*args, *(["--force", "train"] if force else [])]) == 0

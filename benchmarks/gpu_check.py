@@ -64,7 +64,7 @@ TOTAL_BUDGET_S = 560  # gpu_check.sh kills at 590 s; this leaves time to write t
 # --smoke with a bundle: the recipe's code path in a few tiny steps on the CPU.
 SMOKE_MULTI30K = {"train": {"max_steps": 4}, "checkpoint": {"interval_steps": 2}, "speed": {"precision": "fp32"},
                   "metrics": {"val_loss_interval_steps": 2, "log_interval_steps": 2},
-                  "eval": {"beam_size": 2, "max_len_b": 5, "max_sentences": 20},
+                  "decode": {"beam_size": 2, "max_len_b": 5}, "score": {"max_sentences": 20},
                   "model": {"d_model": 16, "d_ff": 32, "n_heads": 2, "n_encoder_layers": 1, "n_decoder_layers": 1}}
 
 

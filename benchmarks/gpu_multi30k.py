@@ -11,8 +11,8 @@ The bundle holds the encode stage's three splits, the SentencePiece model and th
 with the model's config (`bundle.json`). `run` is the DAG's train -> average -> translate -> score
 for this recipe, in one process: the real loop (`Trainer` on a `LocalSession`, dev loss every
 `metrics.val_loss_interval_steps`, checkpoints every `checkpoint.interval_steps`, the last
-`eval.average_last` kept), `model.average_checkpoints`, `model.beam_search` over the test split in
-length-sorted batches of `eval.batch_tokens`, and the benchmark's BLEU4 (`pipeline.decoding.bleu.
+`average.checkpoints` kept), `model.average_checkpoints`, `model.beam_search` over the test split in
+length-sorted batches of `decode.batch_tokens`, and the benchmark's BLEU4 (`pipeline.decoding.bleu.
 benchmark_bleu`, the score stage's `test/bleu_tok_lc`). It times training and decoding apart.
 """
 
@@ -80,7 +80,7 @@ def _sync(device: str) -> None:
 def train(bundle: Path, cfg: Config, mc: ModelConfig, device: str, work: Path) -> tuple[dict, list[Path]]:
     spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(bundle / "train"),
                     dev_dir=str(bundle / "dev"))
-    session = _KeepingSession(work / "ckpt", device, max(cfg.checkpoint.num_to_keep, cfg.eval.average_last))
+    session = _KeepingSession(work / "ckpt", device, max(cfg.checkpoint.num_to_keep, cfg.average.checkpoints))
     t0 = time.perf_counter()
     trainer = Trainer(spec, session)
     summary = trainer.run()
@@ -91,7 +91,7 @@ def train(bundle: Path, cfg: Config, mc: ModelConfig, device: str, work: Path) -
              "tgt_tokens_per_s": summary["tokens_seen"]["tgt"] / wall, "val_loss": last_val[1],
              "precision": summary["precision"], "batch_shapes": summary["batch_shapes"],
              "compiled_graphs": summary["compiled_graphs"]},
-            session.checkpoints()[-cfg.eval.average_last:])
+            session.checkpoints()[-cfg.average.checkpoints:])
 
 
 def translate_test(model: Transformer, bundle: Path, cfg: Config, mc: ModelConfig, device: str
@@ -101,10 +101,10 @@ def translate_test(model: Transformer, bundle: Path, cfg: Config, mc: ModelConfi
 
     from pipeline.decoding.batching import pad_batch, plan_batches, prepare_sources, read_split
 
-    ev = cfg.eval
+    ev = cfg.decode
     df = read_split(str(bundle / "test"), ["idx", "src_ids", "tgt"])
-    if ev.max_sentences:  # as the translate stage: the first N (smoke runs)
-        df = df.iloc[:ev.max_sentences]
+    if cfg.score.max_sentences:  # as the translate stage: the first N (smoke runs)
+        df = df.iloc[:cfg.score.max_sentences]
     sources, _ = prepare_sources(df["src_ids"], max_source_len(mc.max_positions, ev.max_len_a, ev.max_len_b),
                                  mc.eos_id)
     sp = spm.SentencePieceProcessor(model_file=str(bundle / "spm.model"))
@@ -147,7 +147,7 @@ def run(bundle: Path, device: str, work: Path, overrides: dict[str, dict[str, An
     hyps, refs, decode_s = translate_test(model, bundle, cfg, mc, device)
     score = benchmark_bleu(hyps, refs)
     figures.update(decode_s=decode_s, sentences=len(refs), sentences_per_s=len(refs) / decode_s,
-                   bleu4=score.score, bleu4_detail=score.detail, beam_size=cfg.eval.beam_size)
+                   bleu4=score.score, bleu4_detail=score.detail, beam_size=cfg.decode.beam_size)
     return figures
 
 

@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.config import load_config
 
     base = load_config([args.config], our_overrides(args, 1, 1))
-    args.beam_size, args.alpha = base.eval.beam_size, base.eval.alpha
-    steps, ckpt = plan_steps(args, base.eval.average_last)
+    args.beam_size, args.alpha = base.decode.beam_size, base.decode.alpha
+    steps, ckpt = plan_steps(args, base.average.checkpoints)
 
     # 1. ours
     ours = run_ours(args, steps, ckpt)

@@ -2,7 +2,7 @@
 -> register.
 
 ``export`` (HF Marian folder, CTranslate2 models) sits before ``translate`` because the
-``eval.backend = "ctranslate2"`` path decodes with its CTranslate2 model.
+``decode.backend = "ctranslate2"`` path decodes with its CTranslate2 model.
 
 Each row names the config values that go into the stage's cache key and the stages it reads.
 The keys (``compute_keys``; ``keys_in_work_dir``, which keeps outputs made under a stage's earlier
@@ -38,12 +38,12 @@ _MIRROR_IF_WMT14 = (("data.source", "wmt14", ("data.mirror",)),)
 _CLEANING = ("data.preprocess", "data.max_words", "data.max_length_ratio", "data.dedup",
              "data.max_pairs_per_corpus", "data.num_shards")
 
-# The beam search's keys: DecodeSettings' fields (eval.beam_size, eval.alpha, eval.max_len_a, eval.max_len_b).
-_DECODE = tuple(f"eval.{f.name}" for f in dataclasses.fields(DecodeSettings))
-# What decides a dev BLEU number (pipeline.decoding.dev_bleu.DevBleuSettings: eval.dev_bleu_* and the
+# The beam search's keys: DecodeSettings' fields (decode.beam_size, decode.alpha, decode.max_len_a, decode.max_len_b).
+_DECODE = tuple(f"decode.{f.name}" for f in dataclasses.fields(DecodeSettings))
+# What decides a dev BLEU number (pipeline.decoding.dev_bleu.DevBleuSettings: dev_bleu.* and the
 # decode keys).
-_DEV_BLEU = ("eval.average_select", "eval.dev_bleu_sentences", "eval.dev_bleu_engine",
-             "eval.dev_bleu_quantization", "eval.dev_bleu_beam_size", *_DECODE)
+_DEV_BLEU = ("average.select", "dev_bleu.sentences", "dev_bleu.engine",
+             "dev_bleu.quantization", "dev_bleu.beam_size", *_DECODE)
 
 STAGES: tuple[Stage, ...] = (
     Stage(name="download", version="1", reads=_DATA_SOURCE, upstream=(), impl="pipeline.data.download:run",
@@ -56,20 +56,20 @@ STAGES: tuple[Stage, ...] = (
           resumable=True, checksum_files=False, forget="pipeline.train.driver:forget_run",
           resume="pipeline.train.resume:resume_point"),
     # Selecting by dev BLEU reads the settings that decide those numbers ("last" keeps its key).
-    Stage(name="average", version="1", reads=("eval.average_last",), upstream=("train",),
+    Stage(name="average", version="1", reads=("average.checkpoints",), upstream=("train",),
           impl="pipeline.evaluate.average:run",
-          reads_if=(("eval.average_select", "best_dev_bleu", _DEV_BLEU),)),
+          reads_if=(("average.select", "best_dev_bleu", _DEV_BLEU),)),
     Stage(name="export", version="1", reads=(), upstream=("average", "vocab"), impl="pipeline.serve.export:run"),
     Stage(name="translate", version="1",
-          reads=(*_DECODE, "eval.splits", "eval.max_sentences", "eval.backend", "eval.ct2_quantization"),
+          reads=(*_DECODE, "score.splits", "score.max_sentences", "decode.backend", "decode.ct2_quantization"),
           upstream=("average", "encode", "vocab", "export"), impl="pipeline.evaluate.translate:run"),
     # The report names the pair and test set and picks its Table 2 row from data.* and model.*;
     # it reads the training facts from train and the averaged checkpoints from average, where they are made.
     # With data.preprocess it reads download's raw test reference for the sacreBLEU beside the benchmark's BLEU.
     # Version 2: sacreBLEU and chrF case-insensitive (-lc) for a preprocessed (lowercased) model.
     Stage(name="score", version="2",
-          reads=("eval.splits", "eval.max_sentences", "data.source", "data.src_lang", "data.tgt_lang",
-                         "data.dev_src", "data.test_src", "data.preprocess", "eval.attention_sentences", "model"),
+          reads=("score.splits", "score.max_sentences", "data.source", "data.src_lang", "data.tgt_lang",
+                         "data.dev_src", "data.test_src", "data.preprocess", "score.attention_sentences", "model"),
           upstream=("translate", "encode", "average", "train", "download", "vocab"),
           impl="pipeline.evaluate.score:run"),
     # The scored model as a version of the MLflow Model Registry (its files and its test scores).

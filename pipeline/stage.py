@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pipeline.config import Config
-from pipeline.config.migrations import FORMERLY_READS
+from pipeline.config.migrations import CACHE_SPELLING, FORMERLY_READS
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class Stage:
                 section, key = item.split(".", 1)
                 values = cfg.section_for_cache(section)
                 if key in values or not _is_keyed_if_set(cfg, section, key):  # an unset one: out of the key
-                    out[item] = values[key]
+                    out[CACHE_SPELLING.get(item, item)] = values[key]  # a moved key as it was spelled
             else:
                 out[item] = cfg.section_for_cache(item)
         return out

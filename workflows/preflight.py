@@ -56,18 +56,18 @@ def check_corpora(cfg: Config) -> None:
 
 
 def check_decoding_engine(cfg: Config) -> None:
-    """eval.backend = "ctranslate2" decodes with the export stage's CTranslate2 model, which a model
+    """decode.backend = "ctranslate2" decodes with the export stage's CTranslate2 model, which a model
     neither export route holds never gets (`conversion.ct2_unexportable`): refused now, not after
     training. Dev BLEU needs no check: it decodes such a model with our beam search (and says so)."""
-    if cfg.eval.backend != "ctranslate2":
+    if cfg.decode.backend != "ctranslate2":
         return
     from model import ModelConfig
     from pipeline.decoding.conversion import ct2_unexportable
 
     why = ct2_unexportable(ModelConfig.of(cfg.model, cfg.vocab.size))
     if why:
-        raise ConfigError(f"eval.backend = 'ctranslate2': the export stage gives this [model] no CTranslate2 "
-                          f"model ({why}); use eval.backend = 'torch'")
+        raise ConfigError(f"decode.backend = 'ctranslate2': the export stage gives this [model] no CTranslate2 "
+                          f"model ({why}); use decode.backend = 'torch'")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,20 +161,20 @@ def _check_train_workers(cfg: Config, cluster: Cluster) -> None:
         raise ConfigError(f"workers.num_workers = {cfg.workers.num_workers}: the Ray cluster can never hold {lo} "
                           f"{kind}: it has {cluster.describe()}, and Ray Train would wait for them forever; "
                           f"{fix}{one_gpu}")
-    if cfg.eval.dev_bleu:
+    if cfg.dev_bleu.enabled:
         options = task_resources(cfg)[0]
         need = {"CPU": options["num_cpus"], "GPU": options["num_gpus"]}
         if not cluster.placeable(need):
-            raise ConfigError(f"eval.dev_bleu_resources = {cfg.eval.dev_bleu_resources!r}: no node of the Ray "
+            raise ConfigError(f"dev_bleu.resources = {cfg.dev_bleu.resources!r}: no node of the Ray "
                               f"cluster has that much ({cluster.describe()}), so no checkpoint would get its dev "
-                              "BLEU; ask for less, or set eval.dev_bleu = false")
+                              "BLEU; ask for less, or set dev_bleu.enabled = false")
 
 
 def _check_translate_actors(cfg: Config, cluster: Cluster) -> None:
-    use_gpu = use_gpus(cfg.eval.use_gpu, cluster.most("GPU"), "eval.use_gpu")
+    use_gpu = use_gpus(cfg.decode.use_gpu, cluster.most("GPU"), "decode.use_gpu")
     each = {"CPU": cfg.run.data_num_cpus, **({"GPU": 1.0} if use_gpu else {})}
     fits = cluster.placeable(each)
-    if fits < cfg.eval.num_workers:
+    if fits < cfg.decode.num_workers:
         what = "GPU" if use_gpu else f"{cfg.run.data_num_cpus:g}-CPU"
-        raise ConfigError(f"eval.num_workers = {cfg.eval.num_workers}: the Ray cluster can never hold that many "
-                          f"{what} translate actors ({cluster.describe()}); set --eval.num_workers={max(1, fits)}")
+        raise ConfigError(f"decode.num_workers = {cfg.decode.num_workers}: the Ray cluster can never hold that many "
+                          f"{what} translate actors ({cluster.describe()}); set --decode.num_workers={max(1, fits)}")

@@ -16,8 +16,8 @@ average -> export -> translate -> score) runs as its own branch, as many side by
 ``workers.num_workers`` workers; one at a time when the driver runs its own local Ray). A row
 that fails does not stop the others: the table marks it failed with the reason, and rerunning
 the same command continues only the unfinished rows (everything finished is cached).
-As §6.2 does for Table 3, every row is scored on newstest2013 (``eval.splits = ["dev"]``) with
-beam search and no checkpoint averaging (``eval.average_last = 1``). The table (Markdown, JSON)
+As §6.2 does for Table 3, every row is scored on newstest2013 (``score.splits = ["dev"]``) with
+beam search and no checkpoint averaging (``average.checkpoints = 1``). The table (Markdown, JSON)
 and a figure (PNG: dev PPL and BLEU per row beside the paper's) are written to
 ``<work_dir>/table3/``, printed (the table) and logged to the sweep's MLflow run, in which each
 row has its own nested run (tags ``table3_row``, ``table3_varies``) holding its stage runs.

@@ -106,9 +106,9 @@ def render_table(results: list[dict[str, Any]], cfg: Config) -> str:
                  _minutes(r.get("train_wall_s")), _status(r)]
         out.append("| " + " | ".join(cells) + " |")
     metric = next((r["bleu_metric"] for r in results if r.get("bleu_metric")), "bleu_tok_cs")
-    averaged = ("no checkpoint averaging (§6.2)" if cfg.eval.average_last == 1 else
-                f"the average of {cfg.eval.average_last} checkpoints ({cfg.eval.average_select})")
-    out += ["", f"Ours: beam {cfg.eval.beam_size}, alpha {cfg.eval.alpha}, {averaged}; BLEU = `{metric}`"
+    averaged = ("no checkpoint averaging (§6.2)" if cfg.average.checkpoints == 1 else
+                f"the average of {cfg.average.checkpoints} checkpoints ({cfg.average.select})")
+    out += ["", f"Ours: beam {cfg.decode.beam_size}, alpha {cfg.decode.alpha}, {averaged}; BLEU = `{metric}`"
             f"{' (the tokenized BLEU of Table 2)' if metric == 'bleu_tok_cs' else ''}; PPL = exp(NLL per target "
             "piece) of the last step's model on dev (train stage's `val/final_ppl`); train wall = the training "
             f"loop's time (summed over attempts when a run was resumed). Our pieces come from a SentencePiece "
@@ -120,9 +120,9 @@ def render_table(results: list[dict[str, Any]], cfg: Config) -> str:
     if failed:
         out += [f"Failed rows: {', '.join(failed)}. Rerun the same command to continue them (finished rows "
                 "and finished stages are cached).", ""]
-    if cfg.eval.max_sentences:
-        out.insert(0, f"> **Partial dev set**: only the first {cfg.eval.max_sentences} sentences were decoded "
-                      "(`eval.max_sentences`): not comparable with the paper.\n")
+    if cfg.score.max_sentences:
+        out.insert(0, f"> **Partial dev set**: only the first {cfg.score.max_sentences} sentences were decoded "
+                      "(`score.max_sentences`): not comparable with the paper.\n")
     return "\n".join(out)
 
 

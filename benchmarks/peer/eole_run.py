@@ -221,6 +221,6 @@ def run_eole(args: argparse.Namespace, ours: dict[str, Any], refs: list[str], bu
     eole_dir = Path(args.work_dir) / "eole"
     data, batch_size, yaml_path = write_train_config(args, ours, eole_dir, len(refs), ckpt)
     et = train_or_reuse(args, yaml_path, eole_dir, budget_s, ckpt)
-    avg_dir, last = average_last(args.eole_venv, eole_dir, et["checkpoints"], ours["cfg"].eval.average_last)
+    avg_dir, last = average_last(args.eole_venv, eole_dir, et["checkpoints"], ours["cfg"].average.checkpoints)
     decodes = decode_test(args, data, eole_dir, {"averaged": avg_dir, "last": last[-1]}, refs)
     return {"data": data, "batch_size": batch_size, "yaml_path": yaml_path, "train": et, "decodes": decodes}

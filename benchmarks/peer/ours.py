@@ -17,7 +17,7 @@ SMOKE = {  # a tiny model on a slice of the data: proves the plumbing, not the n
     "vocab.size": 1000, "model.d_model": 64, "model.d_ff": 128, "model.n_heads": 2,
     "model.n_encoder_layers": 1, "model.n_decoder_layers": 1, "train.tokens_per_step": 800,
     "speed.max_tokens_per_batch": 1024, "train.warmup_steps": 100, "metrics.val_loss_interval_steps": 50,
-    "metrics.log_interval_steps": 10, "data.max_pairs_per_corpus": 3000, "eval.max_sentences": 40,
+    "metrics.log_interval_steps": 10, "data.max_pairs_per_corpus": 3000, "score.max_sentences": 40,
 }
 OUR_ECHO = re.compile(r"stage \w+: (done|running|cached)|step \d+/\d+ \||translate: \d+ / \d+|sacreBLEU|Error|error:"
                       r"|Traceback")

@@ -98,7 +98,7 @@ def notes(s: Sides) -> list[str]:
         f"{s.eole['data']['vocab_pieces'] + 4}-piece "
         f"vocabulary (our spm.model), dropout {cfg.model.dropout}, label smoothing {cfg.train.label_smoothing}, "
         f"Noam lr factor {cfg.train.lr_scale} / {cfg.train.warmup_steps} warmup, ~{cfg.train.tokens_per_step} target "
-        f"tokens per step, last {cfg.eval.average_last} checkpoints (every {s.ckpt} steps) averaged.",
+        f"tokens per step, last {cfg.average.checkpoints} checkpoints (every {s.ckpt} steps) averaged.",
         f"Precision: ours speed.precision = {cfg.speed.precision!r} -> {man['train'].outputs.get('precision')}; "
         f"eole compute_dtype {args.eole_dtype}.",
         "Norm placement: ours post-norm (the paper's); eole PRE-norm (eole 0.6.4 has no post-norm decoder layer).",

@@ -19,15 +19,16 @@ from .loader import coerce, from_dict, load_config, parse_overrides, typed_field
 from .migrations import MOVED_KEYS, keyed_if_set
 from .operations import (AttentionBackend, Auto, CheckpointSection, CheckpointUpload, GradCompression, MetricsSection,
                          Placement, PlanSection, Precision, SpeedSection, WorkersSection, op)
-from .schema import (AverageSelect, Backend, Config, DataSection, DecodeSettings, EarlyStopMetric, EvalSection,
-                     ModelSection, Preprocess, Quantization, RunSection, Source, Split, TrackingSection, TrainSection,
-                     VocabModel, VocabSection)
+from .schema import (AverageSection, AverageSelect, Backend, Config, DataSection, DecodeSection, DecodeSettings,
+                     DevBleuSection, EarlyStopMetric, ModelSection, Preprocess, Quantization, RunSection, ScoreSection,
+                     Source, Split, TrackingSection, TrainSection, VocabModel, VocabSection)
 
 __all__ = [
-    "MOVED_KEYS", "AttentionBackend", "Auto", "AverageSelect", "Backend", "CheckpointSection", "CheckpointUpload",
-    "Config", "ConfigError", "DataSection", "DecodeSettings", "EarlyStopMetric", "EvalSection", "GradCompression",
-    "MetricsSection", "ModelSection", "Placement", "PlanSection", "Precision", "Preprocess", "Quantization",
-    "RunSection", "Source", "SpeedSection", "Split", "TrackingSection", "TrainSection", "VocabModel", "VocabSection",
+    "MOVED_KEYS", "AttentionBackend", "Auto", "AverageSection", "AverageSelect", "Backend", "CheckpointSection",
+    "CheckpointUpload", "Config", "ConfigError", "DataSection", "DecodeSection", "DecodeSettings", "DevBleuSection",
+    "EarlyStopMetric", "GradCompression", "MetricsSection", "ModelSection", "Placement", "PlanSection", "Precision",
+    "Preprocess", "Quantization", "RunSection", "ScoreSection", "Source", "SpeedSection", "Split", "TrackingSection",
+    "TrainSection", "VocabModel", "VocabSection",
     "WorkersSection", "coerce", "from_dict", "keyed_if_set", "load_config", "op", "parse_overrides",
     "parse_resources", "typed_fields",
 ]

@@ -1,4 +1,4 @@
-"""Settings decided per device: `"auto"` and its booleans (`workers.use_gpu`, `eval.use_gpu`,
+"""Settings decided per device: `"auto"` and its booleans (`workers.use_gpu`, `decode.use_gpu`,
 `speed.compile`, `speed.shape_buckets`). Standard library and the config only: no Ray, no torch."""
 
 from __future__ import annotations

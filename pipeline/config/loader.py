@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .checks import ConfigError, allowed, check_value
-from .migrations import MOVED_KEYS
+from .migrations import MOVED_KEYS, moved_to_new_places
 from .schema import Config
 
 
@@ -77,14 +77,14 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
 def _apply(cfg: Config, values: dict[str, Any], origin: str) -> None:
     hints = typing.get_type_hints(Config)
     for section_name, section_values in values.items():
+        for key in section_values if isinstance(section_values, dict) else ():
+            if (new := MOVED_KEYS.get(f"{section_name}.{key}")) is not None:
+                raise ConfigError(f"{section_name}.{key} is now {new} (in {origin})")
         if section_name not in hints:
             raise ConfigError(f"{section_name}: unknown config section in {origin} "
                               f"(known: {', '.join(hints)})")
         if not isinstance(section_values, dict):
             raise ConfigError(f"{section_name}: expected a [table] in {origin}")
-        for key in section_values:
-            if (new := MOVED_KEYS.get(f"{section_name}.{key}")) is not None:
-                raise ConfigError(f"{section_name}.{key} is now {new} (in {origin})")
         section = getattr(cfg, section_name)
         for key, value in typed_fields(type(section), section_values, origin, f"{section_name}.").items():
             setattr(section, key, value)
@@ -145,7 +145,8 @@ def _normalize(cfg: Config) -> None:
 
 
 def from_dict(data: dict[str, Any]) -> Config:
-    """Rebuild a Config from ``to_dict()`` output (e.g. inside Ray workers)."""
+    """Rebuild a Config from ``to_dict()`` output (inside Ray workers; a run record written before
+    a key moved reads with the key in its new place)."""
     cfg = Config()
-    _apply(cfg, data, "a config dict")
+    _apply(cfg, moved_to_new_places(data), "a config dict")
     return cfg.validate()

@@ -8,10 +8,13 @@ the config or the DAG changes, these rules keep the keys of work dirs already on
 - `cache_value`: an unset (None) value is keyed as 0, the spelling of "unset" in the keys made
   before `model.d_k` / `model.d_v` could be None;
 - `FORMERLY_READS`: config keys a stage's key read under an earlier rule; a work dir whose stage
-  finished under the key that rule gives is used as it is (`pipeline.dag.keys_in_work_dir`).
+  finished under the key that rule gives is used as it is (`pipeline.dag.keys_in_work_dir`);
+- `CACHE_SPELLING`: a keyed setting that moved is spelled in the key as it was before it moved
+  (``decode.beam_size`` as ``eval.beam_size``), so moving it changes no key.
 
 And a config file written before a key moved to another section is refused naming the key's new
-place (`MOVED_KEYS`), never read into the wrong section.
+place (`MOVED_KEYS`), never read into the wrong section; a config dict saved before (a run
+record) is read with its moved keys in their new places (`moved_to_new_places`).
 """
 
 from __future__ import annotations
@@ -56,3 +59,31 @@ MOVED_KEYS: dict[str, str] = {
     "train.eval_interval_steps": "metrics.val_loss_interval_steps",
     **{f"train.{k}": f"plan.{k}" for k in ("gpu_type", "mfu_from", "assumed_mfu")},
 }
+# The evaluation settings, once one [eval] section, now one section per job: which checkpoints
+# are averaged, how translate decodes, what score scores, dev BLEU while training.
+EVAL_MOVED: dict[str, str] = {
+    "eval.average_last": "average.checkpoints", "eval.average_select": "average.select",
+    **{f"eval.{k}": f"decode.{k}" for k in (
+        "beam_size", "alpha", "max_len_a", "max_len_b", "batch_tokens", "num_workers", "use_gpu",
+        "threads_per_worker", "backend", "ct2_quantization")},
+    **{f"eval.{k}": f"score.{k}" for k in ("splits", "max_sentences", "attention_sentences")},
+    "eval.dev_bleu": "dev_bleu.enabled",
+    **{f"eval.dev_bleu_{k}": f"dev_bleu.{k}" for k in ("sentences", "engine", "quantization", "beam_size",
+                                                       "resources")},
+}
+MOVED_KEYS.update(EVAL_MOVED)
+
+# New place -> the spelling of the stage keys made before the move (pipeline.stage.Stage.key_material).
+CACHE_SPELLING: dict[str, str] = {new: old for old, new in EVAL_MOVED.items()}
+
+
+def moved_to_new_places(data: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A config dict (section -> key -> value) with each moved key in its new place."""
+    out: dict[str, dict[str, Any]] = {}
+    for section, values in data.items():
+        for key, value in (values.items() if isinstance(values, dict) else ()):
+            new_section, new_key = MOVED_KEYS.get(f"{section}.{key}", f"{section}.{key}").split(".", 1)
+            out.setdefault(new_section, {})[new_key] = value
+        if not isinstance(values, dict):
+            out[section] = values
+    return out

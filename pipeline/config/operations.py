@@ -15,7 +15,7 @@ Precision = Literal["auto", "bf16", "fp16", "fp32"]  # speed.precision
 Placement = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]  # workers.placement_strategy
 GradCompression = Literal["none", "bf16"]  # speed.grad_compression
 CheckpointUpload = Literal["async", "sync"]  # checkpoint.upload
-Auto = Literal["auto"]  # workers.use_gpu, eval.use_gpu, speed.compile, speed.shape_buckets: decided per device
+Auto = Literal["auto"]  # workers.use_gpu, decode.use_gpu, speed.compile, speed.shape_buckets: decided per device
 AttentionBackend = Literal["auto", "flash", "efficient", "cudnn", "math"]  # speed.attention_backend
 
 
@@ -113,7 +113,7 @@ class CheckpointSection:
 
     interval_steps: int = op(1000)  # a checkpoint every N steps, and at train.max_steps
     interval_s: float = op(0.0)  # 0 = only the step interval
-    num_to_keep: int = op(5)  # >= eval.average_last; §6.1 averages the last 5
+    num_to_keep: int = op(5)  # >= average.checkpoints; §6.1 averages the last 5
     upload: CheckpointUpload = op("async")  # "async": upload in the background (Ray Train ASYNC); "sync"
     # An object store that refuses or drops writes: a checkpoint upload is retried with backoff for
     # up to this many seconds (pipeline.train.upload), then the worker fails (workers.max_failures).

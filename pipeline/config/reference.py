@@ -156,7 +156,7 @@ def _default_text(v: Any) -> str:
 def help_text(width: int = 100) -> str:
     """Every section and key, its default, type and meaning: the epilog of reproduce_base.py's --help."""
     out = ["config keys: --section.key=value sets one (command line > --config files > these defaults);",
-           "a list is comma-separated (--eval.splits=test,dev), none unsets (--model.d_k=none).", ""]
+           "a list is comma-separated (--score.splits=test,dev), none unsets (--model.d_k=none).", ""]
     by_section: dict[str, list[Key]] = {}
     for k in keys():
         by_section.setdefault(k.section, []).append(k)

@@ -29,10 +29,10 @@ Source = Literal["wmt14", "multi30k", "custom"]  # data.source
 Preprocess = Literal["none", "lowercase_moses"]  # data.preprocess
 VocabModel = Literal["bpe", "unigram"]  # vocab.model_type
 EarlyStopMetric = Literal["dev_bleu", "val_loss"]  # train.early_stop_metric
-Backend = Literal["torch", "ctranslate2"]  # eval.backend, eval.dev_bleu_engine (serve's backend)
-Quantization = Literal["float32", "int8"]  # eval.ct2_quantization, eval.dev_bleu_quantization (export)
-AverageSelect = Literal["last", "best_dev_bleu"]  # eval.average_select
-Split = Literal["test", "dev"]  # eval.splits
+Backend = Literal["torch", "ctranslate2"]  # decode.backend, dev_bleu.engine (serve's backend)
+Quantization = Literal["float32", "int8"]  # decode.ct2_quantization, dev_bleu.quantization (export)
+AverageSelect = Literal["last", "best_dev_bleu"]  # average.select
+Split = Literal["test", "dev"]  # score.splits
 
 
 @dataclass(kw_only=True)
@@ -146,7 +146,7 @@ class TrainSection:
     seed: int = 1  # seed of the batch plan, the initial weights and each step's dropout (per rank)
     # Early stopping, off by default (the paper trains a fixed train.max_steps, §5.2): stop when
     # early_stop_metric has not improved for this many validations in a row (fairseq --patience,
-    # Marian --early-stopping). "dev_bleu": each checkpoint's dev sacreBLEU (eval.dev_bleu, seen
+    # Marian --early-stopping). "dev_bleu": each checkpoint's dev sacreBLEU (dev_bleu.enabled, seen
     # when its validation task ends); "val_loss": the dev loss every metrics.val_loss_interval_steps.
     early_stop_patience: int = keyed_if_set(0)
     early_stop_metric: EarlyStopMetric = keyed_if_set("dev_bleu")  # see early_stop_patience
@@ -163,7 +163,7 @@ class TrainSection:
 
 @dataclass
 class DecodeSettings:
-    """Beam search settings (§6.1), the one definition: ``eval.*`` (EvalSection), the translate CLI
+    """Beam search settings (§6.1), the one definition: ``decode.*`` (DecodeSection), the translate CLI
     and ``serve run``'s arguments (ServeSettings) all take these fields and defaults."""
 
     beam_size: int = 4  # §6.1
@@ -173,7 +173,7 @@ class DecodeSettings:
 
     @classmethod
     def of(cls, obj: Any) -> "DecodeSettings":
-        """The decode fields of an object that has them (an EvalSection, ServeSettings), or of a
+        """The decode fields of an object that has them (a DecodeSection, ServeSettings), or of a
         dict of some of them (the rest default; an unknown key is a TypeError)."""
         if isinstance(obj, dict):
             return cls(**obj)
@@ -186,54 +186,78 @@ class DecodeSettings:
 
 
 @dataclass(kw_only=True)
-class EvalSection(DecodeSettings):
-    """Averaging, beam search (``DecodeSettings``'s fields) and scoring (``average``,
-    ``translate``, ``score``; §6.1)."""
+class AverageSection:
+    """Which checkpoints ``average`` averages into the model ``translate`` decodes (§6.1)."""
 
-    average_last: int = 5  # §6.1: "averaging the last 5 checkpoints"
+    checkpoints: int = 5  # §6.1: "averaging the last 5 checkpoints"
+    # "last" (§6.1: the last `average.checkpoints`) or "best_dev_bleu" (the `average.checkpoints`
+    # kept checkpoints with the highest dev sacreBLEU, from dev BLEU while training).
+    select: AverageSelect = "last"
+
+    def validate(self) -> None:
+        _check(self.checkpoints >= 1, "average.checkpoints", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class DecodeSection(DecodeSettings):
+    """The ``translate`` stage: beam search (``DecodeSettings``'s fields, §6.1), its engine and its
+    Ray Data actors."""
+
     batch_tokens: int = op(4000)  # source tokens per decoding batch
     num_workers: int = op(1)  # Ray Data actors for translate (one per GPU)
     use_gpu: bool | Auto = op("auto")  # as workers.use_gpu: "auto" = a GPU per actor when the cluster has one
-    # torch threads per CPU actor; 0 = auto: the node's CPUs shared out over eval.num_workers
+    # torch threads per CPU actor; 0 = auto: the node's CPUs shared out over decode.num_workers
     # (Ray still reserves run.data_num_cpus per actor, so the read tasks keep a CPU).
     threads_per_worker: int = op(0)
+    # The decoding engine: "torch" = our beam search (the reference semantics, GNMT length
+    # penalty); "ctranslate2" = the `export` stage's CTranslate2 model (the fast path).
+    backend: Backend = "torch"
+    ct2_quantization: Quantization = "int8"  # the exported CTranslate2 model the backend runs
+
+    def validate(self) -> None:
+        self.check("decode.")
+        _check(self.batch_tokens > 0, "decode.batch_tokens", "must be > 0")
+        _check(self.num_workers >= 1, "decode.num_workers", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class ScoreSection:
+    """What ``translate`` decodes and ``score`` scores and draws."""
+
     splits: list[Split] = field(default_factory=lambda: ["test"])  # "test" and/or "dev"
     # 0 = every sentence. Otherwise decode and score only the first N sentences of each split:
     # for smoke tests; the report says so, and such a score is not comparable with the paper's.
     max_sentences: int = 0
-    # The decoding engine of `translate`: "torch" = our beam search (the reference semantics,
-    # GNMT length penalty); "ctranslate2" = the `export` stage's CTranslate2 model (the fast path).
-    backend: Backend = "torch"
-    ct2_quantization: Quantization = "int8"  # the exported CTranslate2 model the backend runs
-    # Which checkpoints `average` averages: "last" (§6.1: the last eval.average_last) or
-    # "best_dev_bleu" (the eval.average_last kept checkpoints with the highest dev sacreBLEU).
-    average_select: AverageSelect = "last"
     # Heatmaps of the averaged model's attention (encoder self, decoder cross; every layer and head)
     # for the first N short test sentences, drawn by `score` beside its report and logged to MLflow.
     attention_sentences: int = 3
-    # Dev BLEU per registered checkpoint while training runs (Ray Train's asynchronous validation,
-    # pipeline/train/dev_bleu_validation.py). Operational for `train` (no key reads the eval section);
-    # the four settings below decide the numbers, so `average` keys on them when it selects by them.
-    dev_bleu: bool = op(True)
-    dev_bleu_sentences: int = 0  # 0 = the whole dev split; else its first N sentences
-    dev_bleu_engine: Backend = "ctranslate2"  # "ctranslate2" (converted in the task) | "torch" (our beam search)
-    dev_bleu_quantization: Quantization = "int8"  # the CTranslate2 model the task converts
-    dev_bleu_beam_size: int = 0  # 0 = eval.beam_size (with eval.alpha, max_len_a/b); 1 = greedy
-    # Ray resources of the validation task, "CPU=4" or "GPU=1,CPU=2": its CPUs are its decoding
-    # threads; CPU=0 reserves none (it time-shares the training's cores, one thread).
-    dev_bleu_resources: str = op("CPU=1")
 
     def validate(self) -> None:
-        _check(self.average_last >= 1, "eval.average_last", "must be >= 1")
-        self.check("eval.")
-        _check(self.batch_tokens > 0, "eval.batch_tokens", "must be > 0")
-        _check(self.num_workers >= 1, "eval.num_workers", "must be >= 1")
-        _check(self.max_sentences >= 0, "eval.max_sentences", "must be >= 0 (0 = all)")
-        _check(self.attention_sentences >= 0, "eval.attention_sentences", "must be >= 0 (0 = none)")
-        _check(bool(self.splits), "eval.splits", "must be a non-empty subset of ['test', 'dev']")
-        _check(self.dev_bleu_sentences >= 0, "eval.dev_bleu_sentences", "must be >= 0 (0 = all)")
-        _check(self.dev_bleu_beam_size >= 0, "eval.dev_bleu_beam_size", "must be >= 0 (0 = eval.beam_size)")
-        parse_resources(self.dev_bleu_resources, "eval.dev_bleu_resources")
+        _check(bool(self.splits), "score.splits", "must be a non-empty subset of ['test', 'dev']")
+        _check(self.max_sentences >= 0, "score.max_sentences", "must be >= 0 (0 = all)")
+        _check(self.attention_sentences >= 0, "score.attention_sentences", "must be >= 0 (0 = none)")
+
+
+@dataclass(kw_only=True)
+class DevBleuSection:
+    """Dev BLEU per registered checkpoint while training runs (Ray Train's asynchronous validation,
+    pipeline/train/dev_bleu_validation.py). Operational for `train` (no key of train reads this
+    section); the settings below decide the numbers, so `average` keys on them when it selects
+    by them (``average.select = "best_dev_bleu"``)."""
+
+    enabled: bool = op(True)  # false: no dev BLEU while training (train.early_stop_metric "dev_bleu" needs it)
+    sentences: int = 0  # 0 = the whole dev split; else its first N sentences
+    engine: Backend = "ctranslate2"  # "ctranslate2" (converted in the task) | "torch" (our beam search)
+    quantization: Quantization = "int8"  # the CTranslate2 model the task converts
+    beam_size: int = 0  # 0 = decode.beam_size (with decode.alpha, max_len_a/b); 1 = greedy
+    # Ray resources of the validation task, "CPU=4" or "GPU=1,CPU=2": its CPUs are its decoding
+    # threads; CPU=0 reserves none (it time-shares the training's cores, one thread).
+    resources: str = op("CPU=1")
+
+    def validate(self) -> None:
+        _check(self.sentences >= 0, "dev_bleu.sentences", "must be >= 0 (0 = all)")
+        _check(self.beam_size >= 0, "dev_bleu.beam_size", "must be >= 0 (0 = decode.beam_size)")
+        parse_resources(self.resources, "dev_bleu.resources")
 
 
 @dataclass(kw_only=True)
@@ -279,7 +303,10 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     plan: PlanSection = field(default_factory=PlanSection)
-    eval: EvalSection = field(default_factory=EvalSection)
+    average: AverageSection = field(default_factory=AverageSection)
+    decode: DecodeSection = field(default_factory=DecodeSection)
+    score: ScoreSection = field(default_factory=ScoreSection)
+    dev_bleu: DevBleuSection = field(default_factory=DevBleuSection)
     run: RunSection = field(default_factory=RunSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
 
@@ -289,11 +316,11 @@ class Config:
             check_allowed(section, f"{f.name}.")
             if hasattr(section, "validate"):
                 section.validate()
-        _check(self.checkpoint.num_to_keep >= self.eval.average_last, "checkpoint.num_to_keep",
-               f"must be >= eval.average_last ({self.eval.average_last}) so averaging has its checkpoints")
+        _check(self.checkpoint.num_to_keep >= self.average.checkpoints, "checkpoint.num_to_keep",
+               f"must be >= average.checkpoints ({self.average.checkpoints}) so averaging has its checkpoints")
         _check(not (self.train.early_stop_patience and self.train.early_stop_metric == "dev_bleu")
-               or self.eval.dev_bleu, "train.early_stop_metric",
-               "'dev_bleu' needs eval.dev_bleu = true (or use 'val_loss')")
+               or self.dev_bleu.enabled, "train.early_stop_metric",
+               "'dev_bleu' needs dev_bleu.enabled = true (or use 'val_loss')")
         self._check_no_credentials()
         return self
 

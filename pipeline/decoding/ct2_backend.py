@@ -1,4 +1,4 @@
-"""CTranslate2 as `translate`'s decoding engine (``eval.backend = "ctranslate2"``): the fast path.
+"""CTranslate2 as `translate`'s decoding engine (``decode.backend = "ctranslate2"``): the fast path.
 
 Runs the ``export`` stage's CTranslate2 model on the same inputs as our beam search (pieces +
 eos as SentencePiece piece strings) and keeps what CTranslate2 lets us keep of its semantics:
@@ -8,7 +8,7 @@ grouped by their budget), pad and bos never produced (``suppress_sequences``).
 Deviation: CTranslate2's length penalty divides log P by |Y|^alpha, not GNMT's
 ((5 + |Y|) / 6)^alpha (§6.1 via Wu et al. 2016), and it stops a sentence once `beam_size`
 hypotheses have finished, because those are its built-in rules; our beam search stays the
-reference (``eval.backend = "torch"``). Greedy outputs are identical (tests/integration/test_export.py).
+reference (``decode.backend = "torch"``). Greedy outputs are identical (tests/integration/test_export.py).
 """
 
 from __future__ import annotations

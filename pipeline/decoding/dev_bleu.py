@@ -1,9 +1,9 @@
 """Dev BLEU of one checkpoint (``score_checkpoint``), and the settings that decide it.
 
 What one validation does: the dev split (newstest2013 for WMT14, the custom dev set otherwise;
-``eval.dev_bleu_sentences`` caps it) decoded with CTranslate2 (the checkpoint converted here with
-``pipeline.decoding.conversion``, ``eval.dev_bleu_quantization``), greedy or beam
-(``eval.dev_bleu_beam_size``, 0 = ``eval.beam_size``; alpha and max length from ``eval``), then
+``dev_bleu.sentences`` caps it) decoded with CTranslate2 (the checkpoint converted here with
+``pipeline.decoding.conversion``, ``dev_bleu.quantization``), greedy or beam
+(``dev_bleu.beam_size``, 0 = ``decode.beam_size``; alpha and max length from ``decode``), then
 sacreBLEU, chrF and the paper's tokenized BLEU (``scoring.score_split``). A model with an option
 after 2017 (pre-norm, RMSNorm, SwiGLU, rotary) is converted from a spec of its weights
 (``conversion.export_ct2_spec``); one that neither route holds (``conversion.ct2_unexportable``:
@@ -35,13 +35,13 @@ class DevBleuSettings:
     sentences: int  # 0 = all
     engine: str  # "ctranslate2" | "torch"
     quantization: str  # CTranslate2 weights: "int8" | "float32"
-    decode: DecodeSettings  # beam_size (eval.dev_bleu_beam_size, 0 = eval.beam_size), alpha, max length
+    decode: DecodeSettings  # beam_size (dev_bleu.beam_size, 0 = decode.beam_size), alpha, max length
 
     @classmethod
     def from_config(cls, cfg: Config) -> "DevBleuSettings":
-        ev = cfg.eval
-        decode = replace(DecodeSettings.of(ev), beam_size=ev.dev_bleu_beam_size or ev.beam_size)
-        return cls(ev.dev_bleu_sentences, ev.dev_bleu_engine, ev.dev_bleu_quantization, decode)
+        dev = cfg.dev_bleu
+        decode = replace(DecodeSettings.of(cfg.decode), beam_size=dev.beam_size or cfg.decode.beam_size)
+        return cls(dev.sentences, dev.engine, dev.quantization, decode)
 
     def to_dict(self) -> dict[str, Any]:
         """Flat, as the records hold them: sentences, engine, quantization, then the decode fields."""
@@ -58,7 +58,7 @@ class DevBleuSettings:
 def record_key(settings: dict[str, Any]) -> dict[str, Any]:
     """The settings a record was made with, less what cannot change its number: alpha, for
     CTranslate2 at beam 1 (greedy: its length_penalty acts in beam search only; checked against
-    CTranslate2 itself in tests/integration/test_export.py). So a rerun with another ``eval.alpha``
+    CTranslate2 itself in tests/integration/test_export.py). So a rerun with another ``decode.alpha``
     reuses the greedy validations training made instead of scoring every checkpoint again.
     Our own search at beam 1 keeps alpha: its exact stopping bound can pick a longer hypothesis."""
     if settings.get("engine") == "ctranslate2" and settings.get("beam_size") == 1:

@@ -64,7 +64,7 @@ class Translator:
         self.text = TextFormat.of(text)
         self.sp = spm.SentencePieceProcessor(model_file=str(storage.local_copy(spm_path)))
         self._specials = {self.cfg.pad_id, self.cfg.bos_id, self.cfg.eos_id}
-        self.ct2 = None  # eval.backend = "ctranslate2": the export stage's model (ct2_backend.py)
+        self.ct2 = None  # decode.backend = "ctranslate2": the export stage's model (ct2_backend.py)
         if backend == "ctranslate2":
             from pipeline.decoding.ct2_backend import CT2Engine
 

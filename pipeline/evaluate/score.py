@@ -1,6 +1,6 @@
 """``score``: BLEU and chrF of the detokenized hypotheses against the raw references.
 
-Per split (``eval.splits``): sacreBLEU (``bleu_sacre``, with its signature: the comparable
+Per split (``score.splits``): sacreBLEU (``bleu_sacre``, with its signature: the comparable
 number), the paper's tokenized BLEU (German: with compound splitting, ``bleu_tok_cs``, the number
 to set beside 27.3, t2t's get_ende_bleu.sh; other targets: ``bleu_tok``, Moses + multi-bleu, the
 EN-FR number beside 38.1; see ``pipeline.decoding.bleu``) and chrF (``pipeline.decoding.scoring.score_split``).
@@ -81,7 +81,7 @@ def render_report(scores: dict[str, dict[str, Any]], facts: dict[str, dict[str, 
             *_early_stop_lines(train),
             f"- decoding: beam {dec.get('beam_size')}, alpha {dec.get('alpha')}, max length "
             f"{dec.get('max_len_a')} * source + {dec.get('max_len_b')} (§6.1: 4, 0.6, source + 50); "
-            f"engine: {dec.get('backend', 'torch')} (eval.backend)"]
+            f"engine: {dec.get('backend', 'torch')} (decode.backend)"]
     for split, s in scores.items():
         counts = (tr.get("splits") or {}).get(split, {})
         out += [f"- {split}: {s['num_sentences']} sentences, {counts.get('num_empty', '?')} empty sources, "
@@ -181,9 +181,9 @@ def raw_references(ctx: StageContext, split: str, num_refs: int) -> list[str] | 
 
 
 def _attention(ctx: StageContext) -> list[dict[str, Any]]:
-    """Attention heatmaps of the first ``eval.attention_sentences`` short test sentences, from the
+    """Attention heatmaps of the first ``score.attention_sentences`` short test sentences, from the
     averaged model and its own translations (``pipeline.evaluate.attention_plots``), beside the report."""
-    count = ctx.cfg.eval.attention_sentences
+    count = ctx.cfg.score.attention_sentences
     if not count:
         return []
     import tempfile
@@ -193,8 +193,8 @@ def _attention(ctx: StageContext) -> list[dict[str, Any]]:
 
     enc, avg = ctx.inputs["encode"].outputs, ctx.inputs["average"].outputs
     df = read_split(enc["splits"]["test"]["dir"], ["idx", "src_ids"])
-    if ctx.cfg.eval.max_sentences:
-        df = df.iloc[:ctx.cfg.eval.max_sentences]
+    if ctx.cfg.score.max_sentences:
+        df = df.iloc[:ctx.cfg.score.max_sentences]
     hyps = read_hyps(ctx.inputs["translate"].outputs["splits"]["test"]["hyps"], len(df))
     with tempfile.TemporaryDirectory(prefix="attention-") as tmp:
         figures = attention_figures(avg["model"], avg["model_config"], ctx.inputs["vocab"].outputs["model"],
@@ -210,7 +210,7 @@ def attention_lines(figures: list[dict[str, Any]]) -> str:
         return ""
     out = ["## What the model attends to", "",
            "Attention weights of the averaged model for a few test sentences and its own translations "
-           "(every layer and head; `eval.attention_sentences`), drawn by pipeline/evaluate/attention_plots.py "
+           "(every layer and head; `score.attention_sentences`), drawn by pipeline/evaluate/attention_plots.py "
            "into `attention/` beside this report (and the score run's MLflow artifacts):", ""]
     for n, fig in enumerate(figures, 1):
         out += [f"{n}. {fig['source']} -> {fig['translation']}",
@@ -228,11 +228,11 @@ def run(ctx: StageContext) -> StageResult:
     key = setup["metric"]
     scores: dict[str, dict[str, Any]] = {}
     metrics: dict[str, float] = {}
-    for split in ctx.cfg.eval.splits:
+    for split in ctx.cfg.score.splits:
         refs = [str(t) for t in read_split(enc["splits"][split]["dir"], ["idx", "tgt"])["tgt"]]
-        if ctx.cfg.eval.max_sentences:
-            refs = refs[:ctx.cfg.eval.max_sentences]
-            log.warning("%s: scoring only the first %d sentences (eval.max_sentences): not comparable "
+        if ctx.cfg.score.max_sentences:
+            refs = refs[:ctx.cfg.score.max_sentences]
+            log.warning("%s: scoring only the first %d sentences (score.max_sentences): not comparable "
                         "with the paper's full-test-set BLEU", split, len(refs))
         hyps = read_hyps(tr["splits"][split]["hyps"], len(refs))
         raw = raw_references(ctx, split, len(refs))
@@ -249,9 +249,9 @@ def run(ctx: StageContext) -> StageResult:
                            setup)
     figures = _attention(ctx) if "test" in scores else []
     report += attention_lines(figures)
-    if ctx.cfg.eval.max_sentences:
-        report = (f"> **Partial test set**: only the first {ctx.cfg.eval.max_sentences} sentences of each split "
-                  "were decoded and scored (`eval.max_sentences`); these numbers are NOT comparable with "
+    if ctx.cfg.score.max_sentences:
+        report = (f"> **Partial test set**: only the first {ctx.cfg.score.max_sentences} sentences of each split "
+                  "were decoded and scored (`score.max_sentences`); these numbers are NOT comparable with "
                   "the paper's.\n\n" + report)
     scores_uri = storage.absolute(storage.join(ctx.out_dir, "scores.json"))
     report_uri = storage.absolute(storage.join(ctx.out_dir, "report.md"))

@@ -1,6 +1,6 @@
 """``translate``: beam search over the encoded test (and dev) set with Ray Data (§6.1).
 
-beam 4, length penalty alpha 0.6, max output length = source length + 50 (``cfg.eval``), on
+beam 4, length penalty alpha 0.6, max output length = source length + 50 (``cfg.decode``), on
 the averaged model from ``average``. Hypotheses are SentencePiece-decoded (detokenized) and
 written one line per source sentence, in the split's ``idx`` order, to ``hyps.<split>.txt``.
 
@@ -8,14 +8,14 @@ The pure core is the shared library's: ``plan_batches`` (length-sorted, token-bo
 ``prepare_sources`` (empty / too-long sources) and ``Translator`` (a callable class that loads the
 model once and translates a pandas batch). This stage is the thin Ray wrapper: ``run`` reads the
 split on the driver (a test set is a few thousand rows), hands the planned batches to
-``map_batches(Translator, concurrency=eval.num_workers)`` and streams the results back with a
+``map_batches(Translator, concurrency=decode.num_workers)`` and streams the results back with a
 progress log.
 
 Bad input never stops the run or shifts a line: an empty source gives an empty line
 (``num_empty``); a source that would not fit the model's positions together with its output
 budget is truncated to ``max_source_len`` pieces (``num_truncated``).
 
-``eval.backend = "ctranslate2"`` runs the ``export`` stage's CTranslate2 model in the same actors
+``decode.backend = "ctranslate2"`` runs the ``export`` stage's CTranslate2 model in the same actors
 instead of our beam search (``pipeline/decoding/ct2_backend.py``; the same batches, order and
 bad-input handling).
 
@@ -49,12 +49,12 @@ PROGRESS_INTERVAL_S = 10.0
 
 
 def _ct2_model(ctx: StageContext) -> str:
-    """The export stage's CTranslate2 model for eval.ct2_quantization, or why there is none."""
+    """The export stage's CTranslate2 model for decode.ct2_quantization, or why there is none."""
     export = ctx.inputs["export"].outputs
     if "not_exported" in export:
-        raise ValueError(f"translate: eval.backend = 'ctranslate2' needs an exported model, but the export "
-                         f"stage could not export this one ({export['not_exported']}); use eval.backend = 'torch'")
-    return export[f"ct2_{ctx.cfg.eval.ct2_quantization}"]
+        raise ValueError(f"translate: decode.backend = 'ctranslate2' needs an exported model, but the export "
+                         f"stage could not export this one ({export['not_exported']}); use decode.backend = 'torch'")
+    return export[f"ct2_{ctx.cfg.decode.ct2_quantization}"]
 
 
 def _actor_resources(cfg: Any) -> tuple[dict[str, Any], str, int]:
@@ -62,18 +62,18 @@ def _actor_resources(cfg: Any) -> tuple[dict[str, Any], str, int]:
     from pipeline.ray_env import cluster_gpus
 
     num_cpus = cfg.run.data_num_cpus
-    if use_gpus(cfg.eval.use_gpu, cluster_gpus(), "eval.use_gpu"):
+    if use_gpus(cfg.decode.use_gpu, cluster_gpus(), "decode.use_gpu"):
         return {"num_gpus": 1, "num_cpus": num_cpus}, "cuda", 0
     # Ray reserves run.data_num_cpus per actor (fewer than the node's CPUs, so Ray Data's read
     # tasks keep one: an actor pool holding every CPU deadlocks them), but the actors' torch
-    # threads share out the whole node (eval.threads_per_worker, 0 = auto): decoding is the only
+    # threads share out the whole node (decode.threads_per_worker, 0 = auto): decoding is the only
     # heavy work while translate runs, and one thread per actor would leave most of a laptop idle.
-    threads = cfg.eval.threads_per_worker
+    threads = cfg.decode.threads_per_worker
     if threads <= 0:
         from pipeline.ray_env import node_cpus
 
         largest = max(node_cpus(), default=1)
-        threads = int(largest // max(1, cfg.eval.num_workers))
+        threads = int(largest // max(1, cfg.decode.num_workers))
     threads = max(1, int(num_cpus), threads)
     # Started with OMP_NUM_THREADS at that count (Ray would give them their CPU count), the actors
     # already have their threads and never call torch.set_num_threads (`pipeline.cpu_threads`).
@@ -118,18 +118,18 @@ def write_hyps(uri: str, idx: Sequence[int], results: pd.DataFrame) -> list[str]
 
 
 def run(ctx: StageContext) -> StageResult:
-    ev = ctx.cfg.eval
+    dec, scored = ctx.cfg.decode, ctx.cfg.score
     avg, enc = ctx.inputs["average"].outputs, ctx.inputs["encode"].outputs
     mcfg = model_config_of(avg["model_config"])  # built once here; the actors get this object
     settings = DecodeSettings.of(ev)
     max_len = max_source_len(mcfg.max_positions, settings.max_len_a, settings.max_len_b)
 
     frames, rows, counts, next_batch = {}, [], {}, 0
-    for split in ev.splits:
+    for split in scored.splits:
         frames[split] = read_split(enc["splits"][split]["dir"], ["idx", "src_ids"])
-        if ev.max_sentences:  # smoke tests only: the report flags such a score as partial
-            frames[split] = frames[split].iloc[:ev.max_sentences]
-        planned, counts[split] = plan_split(split, frames[split], max_len, mcfg.eos_id, ev.batch_tokens, next_batch)
+        if scored.max_sentences:  # smoke tests only: the report flags such a score as partial
+            frames[split] = frames[split].iloc[:scored.max_sentences]
+        planned, counts[split] = plan_split(split, frames[split], max_len, mcfg.eos_id, dec.batch_tokens, next_batch)
         next_batch += counts[split]["num_batches"]
         rows.append(planned)
         log.info("translate %s: %s (max source length %d)", split, counts[split], max_len)
@@ -137,10 +137,10 @@ def run(ctx: StageContext) -> StageResult:
     resources, device, threads = _actor_resources(ctx.cfg)
     kwargs = {"model_path": avg["model"], "model_config": mcfg,
               "spm_path": ctx.inputs["vocab"].outputs["model"], "settings": asdict(settings),
-              "device": device, "num_threads": threads, "backend": ev.backend,
-              "ct2_model": _ct2_model(ctx) if ev.backend == "ctranslate2" else ""}
+              "device": device, "num_threads": threads, "backend": dec.backend,
+              "ct2_model": _ct2_model(ctx) if dec.backend == "ctranslate2" else ""}
     start = time.monotonic()
-    results = translate_rows(pd.concat(rows, ignore_index=True), kwargs, ev.num_workers, resources)
+    results = translate_rows(pd.concat(rows, ignore_index=True), kwargs, dec.num_workers, resources)
     wall_s = time.monotonic() - start
 
     outputs: dict[str, Any] = {"splits": {}}
@@ -159,9 +159,9 @@ def run(ctx: StageContext) -> StageResult:
     if num_failed:
         raise RuntimeError(f"translate: {num_failed} sentence(s) failed to decode (see the log); "
                            f"hypotheses written to {ctx.out_dir} for inspection")
-    outputs.update({"decode": {**asdict(settings), "max_source_len": max_len, "batch_tokens": ev.batch_tokens,
-                               "backend": ev.backend,
-                               "num_workers": ev.num_workers, "device": device},
+    outputs.update({"decode": {**asdict(settings), "max_source_len": max_len, "batch_tokens": dec.batch_tokens,
+                               "backend": dec.backend,
+                               "num_workers": dec.num_workers, "device": device},
                     "wall_s": wall_s})
     return StageResult(outputs=outputs, metrics=metrics)
 

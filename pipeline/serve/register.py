@@ -95,7 +95,7 @@ def run(ctx: StageContext) -> StageResult:
     name = model_name(ctx.cfg)
     identity = {"train_key": avg.extra.get("upstream_keys", {}).get("train", ""), "average_key": avg.key,
                 "export_key": export.key, "export_finished": export.extra.get("finished", "")}
-    decode = asdict(DecodeSettings.of(ctx.cfg.eval))
+    decode = asdict(DecodeSettings.of(ctx.cfg.decode))
     tags = {"score_key": score.key, "work_dir": storage.absolute(ctx.cfg.run.work_dir),
             "config": json.dumps(ctx.cfg.to_dict(), sort_keys=True, separators=(",", ":")),
             **{f"decode.{k}": v for k, v in decode.items()},

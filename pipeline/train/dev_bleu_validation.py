@@ -3,7 +3,7 @@
 The train stage gives its `TorchTrainer` a ``ValidationConfig(fn=validate_checkpoint, ...)``
 (``validation_config``) and rank 0 reports each checkpoint with ``validation=True``. Ray Train
 2.60 then, once the checkpoint is registered (its upload complete), runs ``validate_checkpoint``
-(``pipeline/train/dev_bleu_task.py``) in a Ray task of its own (``eval.dev_bleu_resources``: a CPU by default, a
+(``pipeline/train/dev_bleu_task.py``) in a Ray task of its own (``dev_bleu.resources``: a CPU by default, a
 GPU if given), at most one at a time (``MAX_IN_FLIGHT_VALIDATIONS = 1`` in its ValidationManager),
 while the workers train on: ``ray.train.report`` does not wait for it. The returned metrics are
 merged into the checkpoint's metrics in Ray's checkpoint-manager snapshot; a task that raises is
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 def task_resources(cfg: Config) -> tuple[dict[str, Any], str, int]:
     """(ray.remote options, device, decoding threads) of the validation task."""
-    res = parse_resources(cfg.eval.dev_bleu_resources, "eval.dev_bleu_resources")
+    res = parse_resources(cfg.dev_bleu.resources, "dev_bleu.resources")
     cpus, gpus = res.pop("CPU", 1.0), res.pop("GPU", 0.0)
     options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus, "max_retries": 0}
     if res:
@@ -48,13 +48,13 @@ def shares_training_cores(cfg: Config) -> bool:
 
 def reserved_cpus(cfg: Config) -> float:
     """CPUs the validation task reserves on a node (train's auto CPU share leaves them free)."""
-    return task_resources(cfg)[0]["num_cpus"] if cfg.eval.dev_bleu else 0.0
+    return task_resources(cfg)[0]["num_cpus"] if cfg.dev_bleu.enabled else 0.0
 
 
 def unavailable(cfg: Config, dev_dir: str, vocab: dict[str, Any]) -> str | None:
     """Why this train run gets no dev BLEU (None: it does)."""
-    if not cfg.eval.dev_bleu:
-        return "eval.dev_bleu = false"
+    if not cfg.dev_bleu.enabled:
+        return "dev_bleu.enabled = false"
     if not dev_dir:
         return "the encode stage has no dev split"
     if not vocab.get("model"):
@@ -77,7 +77,7 @@ def validation_config(cfg: Config, *, dev_dir: str, vocab: dict[str, Any], run_d
     kwargs = {"run_dir": storage.absolute(run_dir), "dev_dir": storage.absolute(dev_dir),
               "spm": storage.absolute(vocab["model"]), "settings": DevBleuSettings.from_config(cfg).to_dict(),
               "tgt_lang": cfg.data.tgt_lang, "preprocess": cfg.data.preprocess, "device": device, "threads": threads,
-              "batch_tokens": cfg.eval.batch_tokens, "tracking_uri": tracking_uri, "run_id": run_id,
+              "batch_tokens": cfg.decode.batch_tokens, "tracking_uri": tracking_uri, "run_id": run_id,
               "yield_cpu": shares_training_cores(cfg)}
     log.info("train: dev BLEU per checkpoint in a Ray task (%s), %s", options, kwargs["settings"])
     return ValidationConfig(fn=validate_checkpoint, task_config=ValidationTaskConfig(fn_kwargs=kwargs),

@@ -176,7 +176,7 @@ def cpus_per_worker(cfg: Config, use_gpu: bool, per_node: list[float] | None = N
     if use_gpu:
         return 1
     per_node = node_cpus() if per_node is None else per_node
-    # Left free for the dev BLEU task (eval.dev_bleu_resources), which would else wait for the end.
+    # Left free for the dev BLEU task (dev_bleu.resources), which would else wait for the end.
     spare = dev_bleu_validation.reserved_cpus(cfg)
     total, largest = sum(per_node) - spare, max(per_node, default=1) - spare
     # A range: shared out over the most workers, so that the largest group fits.

@@ -132,7 +132,7 @@ class EarlyStopDecision:
             raise ConfigError("train.early_stop_metric = 'val_loss' needs a dev split (the encode stage has none)")
         if tc.early_stop_metric == "dev_bleu" and not dev_bleu_dir:
             raise ConfigError("train.early_stop_metric = 'dev_bleu' needs dev BLEU per checkpoint "
-                              "(eval.dev_bleu and a dev split); or use 'val_loss'")
+                              "(dev_bleu.enabled and a dev split); or use 'val_loss'")
         return cls(tc, dev_bleu_dir, rank)
 
     def resume(self, p: Progress) -> None:

@@ -122,9 +122,9 @@ TINY = ["--config", "configs/local.toml", "--data.corpora=", "--data.max_pairs_p
         "--vocab.sample_sentences=1000", "--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2",
         "--model.n_encoder_layers=1", "--model.n_decoder_layers=1", "--train.max_steps=10",
         "--train.warmup_steps=5", "--checkpoint.interval_steps=5", "--metrics.log_interval_steps=5",
-        "--metrics.val_loss_interval_steps=10", "--checkpoint.num_to_keep=2", "--eval.average_last=2",
-        "--eval.beam_size=2", "--eval.max_len_a=0", "--eval.max_len_b=5", "--eval.max_sentences=20",
-        "--eval.dev_bleu=false", "--speed.precision=fp32"]  # dev BLEU while training: test_dev_bleu.py, test_end_to_end.py
+        "--metrics.val_loss_interval_steps=10", "--checkpoint.num_to_keep=2", "--average.checkpoints=2",
+        "--decode.beam_size=2", "--decode.max_len_a=0", "--decode.max_len_b=5", "--score.max_sentences=20",
+        "--dev_bleu.enabled=false", "--speed.precision=fp32"]  # dev BLEU while training: test_dev_bleu.py, test_end_to_end.py
 
 
 @pytest.mark.slow

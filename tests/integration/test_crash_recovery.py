@@ -36,10 +36,10 @@ TOY = [
     "--train.max_steps=24", "--train.warmup_steps=8", "--train.tokens_per_step=1500",
     "--speed.max_tokens_per_batch=1500", "--checkpoint.interval_steps=8",
     "--metrics.val_loss_interval_steps=12", "--metrics.log_interval_steps=4", "--checkpoint.num_to_keep=2",
-    "--eval.average_last=2", "--speed.precision=fp32",  # the same steps on every CPU class
+    "--average.checkpoints=2", "--speed.precision=fp32",  # the same steps on every CPU class
     # no dev-BLEU task per checkpoint: dev BLEU while training is test_dev_bleu.py's; here, the
     # kills and the resume
-    "--eval.dev_bleu=false",
+    "--dev_bleu.enabled=false",
 ]
 STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d"
 

@@ -1,4 +1,4 @@
-"""``eval.backend = "ctranslate2"``: translate runs the exported CTranslate2 model in the same Ray
+"""``decode.backend = "ctranslate2"``: translate runs the exported CTranslate2 model in the same Ray
 Data actors, hypotheses in source order, empty and over-long lines handled as with our beam search.
 
 Greedy decoding (beam 1, alpha 0) is the same search in both engines, so the two backends must
@@ -44,11 +44,11 @@ def split_dir(tiny_model, tmp_path_factory) -> Path:
 
 def _ctx(tiny_model, tiny_export, split_dir, tmp_path, backend: str) -> StageContext:
     cfg = Config()
-    cfg.eval.backend = backend
-    cfg.eval.ct2_quantization = "float32"
-    cfg.eval.beam_size, cfg.eval.alpha = 1, 0.0  # greedy: the same search in both engines
-    cfg.eval.use_gpu = False
-    cfg.eval.batch_tokens = 300  # several batches
+    cfg.decode.backend = backend
+    cfg.decode.ct2_quantization = "float32"
+    cfg.decode.beam_size, cfg.decode.alpha = 1, 0.0  # greedy: the same search in both engines
+    cfg.decode.use_gpu = False
+    cfg.decode.batch_tokens = 300  # several batches
     cfg.run.data_num_cpus = 1.0
     inputs = {
         "average": Manifest(stage="average", key="a", dir=tiny_model["model_dir"], outputs={

@@ -34,10 +34,10 @@ TRAIN = ["--model.d_model=32", "--model.d_ff=64", "--model.n_heads=2", "--model.
          "--train.max_steps=200", "--train.warmup_steps=100", "--train.tokens_per_step=1500",
          "--speed.max_tokens_per_batch=1500", "--checkpoint.interval_steps=40",
          "--metrics.val_loss_interval_steps=40", "--metrics.log_interval_steps=10", "--checkpoint.num_to_keep=10",
-         "--eval.average_last=2", f"--eval.dev_bleu_sentences={SENTENCES}", "--eval.dev_bleu_resources=CPU=0",
+         "--average.checkpoints=2", f"--dev_bleu.sentences={SENTENCES}", "--dev_bleu.resources=CPU=0",
          # Greedy CTranslate2 in float32 decodes exactly as our search does (tests/integration/test_export.py),
          # so the translate CLI (our search) must reproduce every logged number.
-         "--eval.dev_bleu_beam_size=1", "--eval.dev_bleu_engine=ctranslate2", "--eval.dev_bleu_quantization=float32"]
+         "--dev_bleu.beam_size=1", "--dev_bleu.engine=ctranslate2", "--dev_bleu.quantization=float32"]
 
 
 def _manifest(work: Path, stage: str) -> Manifest:
@@ -95,8 +95,8 @@ def test_dev_bleu_is_logged_while_training_and_matches_the_translate_cli(work, m
         checkpoint = Path(train.outputs["storage_path"]) / train.key / f"checkpoint_{step:07d}"
         hyps = subprocess.run(
             [sys.executable, "-m", "pipeline.decoding.translate_cli", "--model-dir", str(checkpoint), "--spm", spm,
-             "--beam", "1", "--alpha", str(cfg.eval.alpha), "--max-len-a", str(cfg.eval.max_len_a),
-             "--max-len-b", str(cfg.eval.max_len_b), "--device", "cpu"],
+             "--beam", "1", "--alpha", str(cfg.decode.alpha), "--max-len-a", str(cfg.decode.max_len_a),
+             "--max-len-b", str(cfg.decode.max_len_b), "--device", "cpu"],
             input=src.read_text(encoding="utf-8"), capture_output=True, text=True, check=True, cwd=REPO,
             env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout  # one thread, as the dev-BLEU task decodes
         hyp = tmp_path / f"hyp.{step}.de"

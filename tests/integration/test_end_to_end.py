@@ -22,8 +22,8 @@ TINY = [
     "--train.max_steps=24", "--train.warmup_steps=8", "--train.tokens_per_step=1500",
     "--speed.max_tokens_per_batch=1500", "--checkpoint.interval_steps=8",
     "--metrics.val_loss_interval_steps=12", "--metrics.log_interval_steps=4", "--checkpoint.num_to_keep=2",
-    "--eval.average_last=2", "--eval.beam_size=2", "--eval.num_workers=1", "--eval.use_gpu=false",
-    "--eval.max_sentences=200", "--eval.max_len_b=20",
+    "--average.checkpoints=2", "--decode.beam_size=2", "--decode.num_workers=1", "--decode.use_gpu=false",
+    "--score.max_sentences=200", "--decode.max_len_b=20",
 ]
 
 

@@ -19,9 +19,9 @@ SMALL = [
     "--model.n_decoder_layers=1", "--vocab.size=1000", "--speed.precision=fp32",
     "--train.max_steps=24", "--train.warmup_steps=8", "--train.lr_scale=1.0", "--train.tokens_per_step=1500",
     "--speed.max_tokens_per_batch=1500", "--checkpoint.interval_steps=12", "--metrics.val_loss_interval_steps=12",
-    "--metrics.log_interval_steps=4", "--checkpoint.num_to_keep=2", "--eval.average_last=2", "--eval.beam_size=2",
-    "--eval.max_sentences=100", "--eval.dev_bleu_sentences=100", "--eval.attention_sentences=2",
-    "--eval.max_len_b=10",
+    "--metrics.log_interval_steps=4", "--checkpoint.num_to_keep=2", "--average.checkpoints=2", "--decode.beam_size=2",
+    "--score.max_sentences=100", "--dev_bleu.sentences=100", "--score.attention_sentences=2",
+    "--decode.max_len_b=10",
 ]
 
 
@@ -60,7 +60,7 @@ def test_multi30k_config_end_to_end(tmp_path, multi30k_dir, capsys, monkeypatch)
     score_dir = next(work.glob("score/*/"))
     report = (score_dir / "report.md").read_text()
     assert "Wu et al. 2021" in report and "BLEU4 (benchmark's lowercased tokenized text)" in report
-    assert "Partial test set" in report  # eval.max_sentences says so
+    assert "Partial test set" in report  # score.max_sentences says so
     scores = json.loads((score_dir / "scores.json").read_text())
     assert scores["test"]["bleu_sacre_reference"] == "raw"
     assert scores["dev"]["bleu_sacre_reference"] == "lowercase_moses, detokenized"

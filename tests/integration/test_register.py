@@ -56,7 +56,7 @@ def test_a_version_with_its_run_scores_and_config(sqlite_registry):
     assert v.run_id == first["run_id"]
     assert v.tags["test/bleu_sacre"] == "1.5" and v.tags["test/chrf"] == "20.25"
     assert v.tags["train_key"] == "trainkey" and v.tags["average_key"] == "avgkey"
-    assert json.loads(v.tags["config"])["eval"]["beam_size"] == 1 and v.tags["decode.beam_size"] == "1"
+    assert json.loads(v.tags["config"])["decode"]["beam_size"] == 1 and v.tags["decode.beam_size"] == "1"
     files = {a.path for a in client.list_artifacts(first["run_id"], "model/artifacts")}
     assert {f"model/artifacts/{d}" for d in ("hf", "ours", "ct2-float32", "ct2-int8")} <= files
 

@@ -32,13 +32,13 @@ from workflows import reproduce_table3
 from workflows.table3 import PAPER
 
 # TINY at d_model 64 (2 heads: d / h = 32) so that B1's d_k = 16 differs from d_v; Table 3's rows
-# score the dev set (their files set eval.splits = ["dev"]).
-SIZES = [a for a in TINY if not a.startswith(("--model.d_model", "--model.d_ff", "--eval.max_sentences",
+# score the dev set (their files set score.splits = ["dev"]).
+SIZES = [a for a in TINY if not a.startswith(("--model.d_model", "--model.d_ff", "--score.max_sentences",
                                               "--train.max_steps"))]
-SIZES += ["--model.d_model=64", "--model.d_ff=128", "--eval.max_sentences=60", "--train.max_steps=16"]
+SIZES += ["--model.d_model=64", "--model.d_ff=128", "--score.max_sentences=60", "--train.max_steps=16"]
 # No dev BLEU during training (a Ray task per checkpoint): the table's BLEU is `score`'s, and dev BLEU
 # while training is tests/integration/test_dev_bleu.py's (and test_end_to_end.py's).
-SIZES += ["--eval.dev_bleu=false"]
+SIZES += ["--dev_bleu.enabled=false"]
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = r"""

@@ -50,7 +50,7 @@ def make_config(work_dir: Path, **train_overrides) -> Config:
     for k, v in train_overrides.items():
         assert hasattr(t, k), f"train.{k}"
         setattr(t, k, v)
-    cfg.eval.average_last = 2
+    cfg.average.checkpoints = 2
     cfg.run.work_dir = str(work_dir)
     return cfg.validate()
 

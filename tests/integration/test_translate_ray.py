@@ -70,13 +70,13 @@ def assets(tiny_model, tmp_path_factory):
 
 def _ctx(assets, tmp_path, num_workers: int) -> StageContext:
     cfg = Config()
-    cfg.eval.num_workers = num_workers
-    cfg.eval.use_gpu = False
-    cfg.eval.attention_sentences = 0  # no vocab stage in this ctx; the heatmaps are tested in test_multi30k_dag.py
-    cfg.eval.beam_size = 2
-    cfg.eval.max_len_b = MAX_LEN_B
-    cfg.eval.batch_tokens = 400  # several batches per worker
-    cfg.eval.threads_per_worker = 1  # as the reference below: the same kernels, the same numbers
+    cfg.decode.num_workers = num_workers
+    cfg.decode.use_gpu = False
+    cfg.score.attention_sentences = 0  # no vocab stage in this ctx; the heatmaps are tested in test_multi30k_dag.py
+    cfg.decode.beam_size = 2
+    cfg.decode.max_len_b = MAX_LEN_B
+    cfg.decode.batch_tokens = 400  # several batches per worker
+    cfg.decode.threads_per_worker = 1  # as the reference below: the same kernels, the same numbers
     cfg.run.data_num_cpus = 0.5  # 2 actors must not take all of the test Ray's 2 CPUs (ray#44687)
     out = tmp_path / f"translate-{num_workers}"
     out.mkdir()
@@ -98,7 +98,7 @@ def _reference_hyps(assets, ctx) -> list[str]:
                     {"beam_size": 2, "alpha": 0.6, "max_len_a": 1.0, "max_len_b": MAX_LEN_B})
     df = read_split(str(assets["split_dir"]), ["idx", "src_ids"])
     max_len = max_source_len(MAX_POSITIONS, 1.0, MAX_LEN_B)
-    rows, _ = plan_split("test", df, max_len, 3, ctx.cfg.eval.batch_tokens)
+    rows, _ = plan_split("test", df, max_len, 3, ctx.cfg.decode.batch_tokens)
     out = [""] * NUM_LINES
     for _, group in rows.groupby("batch_id", sort=False):
         for i, h in zip(group["idx"], tr.translate_ids([list(s) for s in group["src_ids"]])):

@@ -8,7 +8,7 @@ Two fixtures, recorded once and committed (`tests/fixtures/reference_trace.json`
   everywhere) trained by the real loop (`Trainer` on a `LocalSession`) on
   the real Multi30k task-1 text: each step's loss and nll, the dev loss at the last step, and a
   digest of the final weights, all as exact bits.
-- **beams**: beam 5 (alpha 1.0, the recipe's `[eval]`) over the first sentences of test_2016_flickr,
+- **beams**: beam 5 (alpha 1.0, the recipe's `[decode]`) over the first sentences of test_2016_flickr,
   as token ids, with the checkpoint `tests/support/tiny_model.py` trains deterministically (a 2+2-layer
   model on WMT news text: its beams are input-dependent, of every length, which a few steps of the
   recipe are not).
@@ -152,7 +152,7 @@ def trace(root: Path) -> dict:
         cfg = load_config(RECIPE)
         cfg.train.max_steps, cfg.metrics.log_interval_steps, cfg.speed.precision = TRAIN_STEPS, 1, "fp32"
         cfg.metrics.val_loss_interval_steps = cfg.checkpoint.interval_steps = TRAIN_STEPS
-        cfg.eval.dev_bleu = False
+        cfg.dev_bleu.enabled = False
         mc = model_config_for(cfg, {"vocab_size": 8000})
         spec = LoopSpec(cfg=cfg.to_dict(), model_config=mc.to_dict(), train_dir=str(splits["train"]),
                         dev_dir=str(splits["dev"]), num_threads=1)

@@ -33,7 +33,7 @@ def register_tiny(uri: str, tiny_model, tiny_export, tmp_path, finished: str = "
         "register-test", artifact_location=None if uri.startswith("http") else str(tmp_path / "art"))
     run = client.create_run(exp_id)
     cfg = Config()
-    cfg.eval.beam_size = 1  # greedy: comparable with our greedy_search
+    cfg.decode.beam_size = 1  # greedy: comparable with our greedy_search
     ctx = StageContext(name="register", key="k", cfg=cfg, out_dir=str(tmp_path / "register"),
                        inputs=_manifests(tiny_model, tiny_export, finished),
                        tracker=RunLogger(uri, run.info.run_id))

@@ -117,11 +117,11 @@ def test_field_comment_reads_the_lines_above_and_the_comment_beside(tmp_path, mo
 
 def test_print_config_prints_the_resolved_config_and_runs_nothing(capsys, tmp_path):
     work = tmp_path / "work"
-    overrides = [f"--run.work_dir={work}", "--train.max_steps=7", "--eval.splits=test,dev", "--model.d_k=16"]
+    overrides = [f"--run.work_dir={work}", "--train.max_steps=7", "--score.splits=test,dev", "--model.d_k=16"]
     assert cli.main(["run", "--config", LOCAL, *overrides, "--print-config"]) == 0
     printed = capsys.readouterr().out
     data = tomllib.loads(printed)
-    assert data["train"]["max_steps"] == 7 and data["eval"]["splits"] == ["test", "dev"]
+    assert data["train"]["max_steps"] == 7 and data["score"]["splits"] == ["test", "dev"]
     assert "d_v" not in data["model"]  # unset: left out, as TOML has no None
     assert from_dict(data) == load_config(LOCAL, overrides)
     assert not work.exists()  # no preflight, no plan, no run

@@ -78,11 +78,11 @@ def test_cpu_workers_that_fit_on_no_node_are_refused():
 
 
 def test_dev_bleu_and_translate_actors_that_can_never_be_placed():
-    one = load_config([BASE, ONE_GPU], ["--eval.dev_bleu_resources=CPU=32"])
-    with pytest.raises(ConfigError, match=r"^eval.dev_bleu_resources = 'CPU=32': no node"):
+    one = load_config([BASE, ONE_GPU], ["--dev_bleu.resources=CPU=32"])
+    with pytest.raises(ConfigError, match=r"^dev_bleu.resources = 'CPU=32': no node"):
         check_cluster(one, one_host(GPU_BOX), ["train"])
-    eight = load_config([BASE, ONE_GPU], ["--eval.num_workers=8"])
-    with pytest.raises(ConfigError, match=r"^eval.num_workers = 8: .*GPU translate actors.*--eval.num_workers=1"):
+    eight = load_config([BASE, ONE_GPU], ["--decode.num_workers=8"])
+    with pytest.raises(ConfigError, match=r"^decode.num_workers = 8: .*GPU translate actors.*--decode.num_workers=1"):
         check_cluster(eight, one_host(GPU_BOX), ["translate"])
 
 

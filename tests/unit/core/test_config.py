@@ -1,5 +1,6 @@
 """The typed config tree: shipped files load, bad keys/types/values are errors naming the key."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ def test_every_shipped_config_loads_and_plans(path, tmp_path):
     # the paper's rows only demand that there is one (they are GPU recipes: refused on CPUs, billed for GPUs).
     gpu_recipe = path.parent == CONFIG_DIR and path.name in {"base.toml", "big.toml", "enfr-base.toml", "enfr-big.toml",
                                                              "cluster.toml"}
-    assert (cfg.workers.use_gpu, cfg.eval.use_gpu) == (True if gpu_recipe else "auto", "auto")
+    assert (cfg.workers.use_gpu, cfg.decode.use_gpu) == (True if gpu_recipe else "auto", "auto")
     assert cfg.speed.compile == cfg.speed.shape_buckets == cfg.speed.fused_loss == "auto"
 
 
@@ -38,9 +39,9 @@ def test_table2_configs_are_the_papers_rows():
     for cfg in (big, fr_big):
         assert (cfg.model.d_model, cfg.model.d_ff, cfg.model.n_heads) == (1024, 4096, 16)
         assert (cfg.train.max_steps, cfg.checkpoint.interval_s) == (300_000, 600.0)
-        assert cfg.eval.average_last == 20 and cfg.checkpoint.num_to_keep >= 20
+        assert cfg.average.checkpoints == 20 and cfg.checkpoint.num_to_keep >= 20
     assert big.model.dropout == 0.3 and fr_big.model.dropout == 0.1
-    assert (fr_base.model.d_model, fr_base.model.dropout, fr_base.eval.average_last) == (512, 0.1, 5)
+    assert (fr_base.model.d_model, fr_base.model.dropout, fr_base.average.checkpoints) == (512, 0.1, 5)
     for cfg in (fr_base, fr_big):
         assert (cfg.data.tgt_lang, cfg.vocab.size) == ("fr", 32000)
         assert cfg.tracking.experiment == "transformer-wmt14-enfr"
@@ -64,15 +65,15 @@ def test_defaults_are_the_papers_recipe():
     assert (cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.adam_eps) == (0.9, 0.98, 1e-9)
     assert (cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.tokens_per_step) == (4000, 100_000, 25000)
     assert cfg.train.label_smoothing == 0.1 and cfg.vocab.size == 37000
-    assert (cfg.eval.beam_size, cfg.eval.alpha, cfg.eval.max_len_b, cfg.eval.average_last) == (4, 0.6, 50, 5)
+    assert (cfg.decode.beam_size, cfg.decode.alpha, cfg.decode.max_len_b, cfg.average.checkpoints) == (4, 0.6, 50, 5)
 
 
 def test_override_beats_file_beats_default(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("[train]\nmax_steps = 10\nwarmup_steps = 7\n")
-    cfg = load_config(f, ["--train.max_steps=20", "--eval.splits=test,dev", "--workers.use_gpu=false"])
+    cfg = load_config(f, ["--train.max_steps=20", "--score.splits=test,dev", "--workers.use_gpu=false"])
     assert cfg.train.max_steps == 20 and cfg.train.warmup_steps == 7 and cfg.metrics.log_interval_steps == 100
-    assert cfg.eval.splits == ["test", "dev"] and cfg.workers.use_gpu is False
+    assert cfg.score.splits == ["test", "dev"] and cfg.workers.use_gpu is False
 
 
 @pytest.mark.parametrize("text, key", [
@@ -83,8 +84,8 @@ def test_override_beats_file_beats_default(tmp_path):
     ("[workers]\nuse_gpu = 1\n", "workers.use_gpu"),
     ("[model]\nd_model = 100\nn_heads = 8\n", "model.d_model"),
     ("[speed]\nprecision = 'fp8'\n", "speed.precision"),
-    ("[eval]\nsplits = ['valid']\n", "eval.splits"),
-    ("[eval]\naverage_last = 9\n", "checkpoint.num_to_keep"),
+    ("[score]\nsplits = ['valid']\n", "score.splits"),
+    ("[average]\ncheckpoints = 9\n", "checkpoint.num_to_keep"),
     ("[data]\nsource = 'custom'\n", "data.train_src"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, key):
@@ -135,8 +136,8 @@ def test_fixed_set_fields_are_literals_checked_from_their_annotations():
 
     found = {f"{s}.{k}" for s, k, _ in _literal_fields()}
     assert found >= {"data.source", "data.preprocess", "vocab.model_type", "model.positional", "speed.precision",
-                     "train.early_stop_metric", "eval.backend", "eval.ct2_quantization", "eval.dev_bleu_engine",
-                     "eval.dev_bleu_quantization", "eval.average_select", "workers.placement_strategy"}
+                     "train.early_stop_metric", "decode.backend", "decode.ct2_quantization", "dev_bleu.engine",
+                     "dev_bleu.quantization", "average.select", "workers.placement_strategy"}
     for section, key, choices in _literal_fields():
         want = re.escape(f"{section}.{key}: 'bogus' is not allowed (allowed: {', '.join(map(repr, choices))})")
         with pytest.raises(ConfigError, match=want):
@@ -145,8 +146,8 @@ def test_fixed_set_fields_are_literals_checked_from_their_annotations():
         setattr(getattr(cfg, section), key, "bogus")
         with pytest.raises(ConfigError, match=want):
             cfg.validate()
-    with pytest.raises(ConfigError, match=re.escape("eval.splits[1]: 'valid' is not allowed (allowed: 'test', 'dev')")):
-        load_config(None, ["--eval.splits=test,valid"])
+    with pytest.raises(ConfigError, match=re.escape("score.splits[1]: 'valid' is not allowed (allowed: 'test', 'dev')")):
+        load_config(None, ["--score.splits=test,valid"])
 
 
 def test_model_section_is_model_sizes_and_none_is_keyed_as_zero():
@@ -182,23 +183,37 @@ def test_an_old_key_in_a_file_names_its_new_key(tmp_path, text, message):
         load_config(f)
 
 
-def test_every_moved_key_is_refused_from_files_overrides_and_dicts(tmp_path):
+def test_every_moved_key_is_refused_from_files_and_overrides(tmp_path):
     """Nothing is ignored: each old spelling is an error naming the new key, which exists."""
     from pipeline.config import MOVED_KEYS
 
     defaults = Config().to_dict()
-    assert len(MOVED_KEYS) == 28
+    assert len(MOVED_KEYS) == 49
     for old, new in MOVED_KEYS.items():
+        old_section, old_key = old.split(".")
         section, key = new.split(".")
         assert key in defaults[section], new
-        assert old.split(".")[1] not in defaults["train"], old
+        assert old_key not in defaults.get(old_section, {}), old
         value = defaults[section][key]
+        text = value if not isinstance(value, list) else ",".join(map(str, value))
         want = f"{old} is now {new}".replace(".", r"\.")
         with pytest.raises(ConfigError, match=want):
-            load_config(None, [f"--{old}={value if not isinstance(value, list) else ','.join(map(str, value))}"])
+            load_config(None, [f"--{old}={text}"])
+        f = tmp_path / "old.toml"
+        f.write_text(f"[{old_section}]\n{old_key} = {json.dumps(value)}\n")
         with pytest.raises(ConfigError, match=want):
-            from_dict({"train": {old.split(".")[1]: value}})
-        assert getattr(getattr(load_config(None, [f"--{new}={value}"]), section), key) == value
+            load_config(f)
+        assert getattr(getattr(load_config(None, [f"--{new}={text}"]), section), key) == value
+
+
+def test_a_saved_config_dict_reads_its_moved_keys_in_their_new_places():
+    """A run record written before the keys moved (`make serve` reads its config) still loads."""
+    cfg = from_dict({"eval": {"beam_size": 7, "average_last": 2, "splits": ["dev"], "dev_bleu": False,
+                              "dev_bleu_resources": "CPU=3"},
+                     "train": {"precision": "fp32", "max_steps": 9}, "checkpoint": {"num_to_keep": 2}})
+    assert (cfg.decode.beam_size, cfg.average.checkpoints, cfg.score.splits) == (7, 2, ["dev"])
+    assert (cfg.dev_bleu.enabled, cfg.dev_bleu.resources) == (False, "CPU=3")
+    assert (cfg.speed.precision, cfg.train.max_steps) == ("fp32", 9)
 
 
 def test_only_train_and_model_make_the_train_key():

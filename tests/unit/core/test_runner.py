@@ -81,7 +81,7 @@ def test_changing_a_value_reruns_exactly_the_stages_that_read_it(tmp_path, calls
 
 def test_operational_values_change_nothing(tmp_path, calls):
     run_all(cfg_for(tmp_path))
-    actions = run_all(cfg_for(tmp_path, "--workers.num_workers=2", "--eval.batch_tokens=99"))
+    actions = run_all(cfg_for(tmp_path, "--workers.num_workers=2", "--decode.batch_tokens=99"))
     assert set(actions.values()) == {"cached"}
 
 

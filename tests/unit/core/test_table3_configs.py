@@ -79,8 +79,8 @@ def test_each_row_is_its_own_training_on_shared_data():
 def test_rows_set_what_table3_varies_and_score_as_62_does(row, check):
     cfg = variant_config(row, BASE, [])
     assert check(cfg)
-    assert cfg.eval.splits == ["dev"] and cfg.eval.average_last == 1  # §6.2: newstest2013, no averaging
-    assert cfg.eval.beam_size == 4 and cfg.vocab.size == 37000
+    assert cfg.score.splits == ["dev"] and cfg.average.checkpoints == 1  # §6.2: newstest2013, no averaging
+    assert cfg.decode.beam_size == 4 and cfg.vocab.size == 37000
 
 
 def test_row_groups_expand():

@@ -31,7 +31,7 @@ def _checkpoints(root, num: int) -> list[str]:
 
 def _ctx(tmp_path, checkpoints: list[str], average_last: int) -> StageContext:
     cfg = Config()
-    cfg.eval.average_last = average_last
+    cfg.average.checkpoints = average_last
     train = Manifest(stage="train", key="t", dir=str(tmp_path / "train"),
                      outputs={"checkpoints": checkpoints, "final_step": 100 * len(checkpoints),
                               "model_config": TINY.to_dict()})
@@ -76,5 +76,5 @@ def test_average_last_one_is_the_last_checkpoint(tmp_path):
 
 def test_too_few_checkpoints_is_an_error_naming_the_numbers(tmp_path):
     ckpts = _checkpoints(tmp_path / "train", 2)
-    with pytest.raises(ValueError, match=r"average_last = 5 but train kept only 2 .*--eval.average_last=2"):
+    with pytest.raises(ValueError, match=r"average\.checkpoints = 5 but train kept only 2 .*--average.checkpoints=2"):
         average.run(_ctx(tmp_path, ckpts, average_last=5))

@@ -41,8 +41,8 @@ class RecordingTracker:
 
 def _ctx(tmp_path, splits, hyps_by_split, cfg=None):
     cfg = cfg or Config()
-    cfg.eval.splits = splits
-    cfg.eval.attention_sentences = 0  # no model here: the heatmaps are tested in tests/integration/test_multi30k.py
+    cfg.score.splits = splits
+    cfg.score.attention_sentences = 0  # no model here: the heatmaps are tested in tests/integration/test_multi30k.py
     enc_splits, tr_splits = {}, {}
     for split in splits:
         d = tmp_path / "encode" / split

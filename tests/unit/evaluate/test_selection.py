@@ -57,7 +57,7 @@ def _ctx(tmp_path, cfg: Config, ckpts: list[str], run_dir: str) -> StageContext:
 
 def test_average_by_best_dev_bleu_on_a_crafted_history(tmp_path):
     cfg = Config()
-    cfg.eval.average_last, cfg.eval.average_select = 2, "best_dev_bleu"
+    cfg.average.checkpoints, cfg.average.select = 2, "best_dev_bleu"
     settings = dev_bleu.DevBleuSettings.from_config(cfg).to_dict()
     ckpts, run_dir = _history(tmp_path, [5.0, 20.0, 10.0, 15.0], settings)
 
@@ -75,13 +75,13 @@ def test_average_by_best_dev_bleu_on_a_crafted_history(tmp_path):
     assert [(k["dev_bleu_sacre"], k["averaged"]) for k in kept] == [(5.0, False), (20.0, True), (10.0, False),
                                                                      (15.0, True)]
 
-    cfg.eval.average_select = "last"  # the paper's rule on the same history
+    cfg.average.select = "last"  # the paper's rule on the same history
     assert average.run(_ctx(tmp_path, cfg, ckpts, run_dir)).outputs["averaged"] == ckpts[2:]
 
 
 def test_scores_made_with_other_settings_are_not_used(tmp_path):
     cfg = Config()
-    cfg.eval.average_last, cfg.eval.average_select = 2, "best_dev_bleu"
+    cfg.average.checkpoints, cfg.average.select = 2, "best_dev_bleu"
     other = {**dev_bleu.DevBleuSettings.from_config(cfg).to_dict(), "sentences": 100}
     ckpts, run_dir = _history(tmp_path, [5.0, 20.0, 10.0], other)
     # Not the config's settings: the stage must score them itself, and here it has nothing to score with.
@@ -94,31 +94,31 @@ def test_greedy_ctranslate2_scores_hold_for_any_alpha_ours_do_not(tmp_path):
     records (no scoring here: there is nothing to score with). With our own search at beam 1, or
     CTranslate2 at beam 4, alpha can change the output: the records do not hold."""
     cfg = Config()
-    cfg.eval.average_last, cfg.eval.average_select = 2, "best_dev_bleu"
-    cfg.eval.dev_bleu_engine, cfg.eval.dev_bleu_beam_size, cfg.eval.alpha = "ctranslate2", 1, 1.0
+    cfg.average.checkpoints, cfg.average.select = 2, "best_dev_bleu"
+    cfg.dev_bleu.engine, cfg.dev_bleu.beam_size, cfg.decode.alpha = "ctranslate2", 1, 1.0
     made = dev_bleu.DevBleuSettings.from_config(cfg).to_dict()
     ckpts, run_dir = _history(tmp_path, [5.0, 20.0, 10.0], made)
-    cfg.eval.alpha = 0.6
+    cfg.decode.alpha = 0.6
     assert average.run(_ctx(tmp_path, cfg, ckpts, run_dir)).outputs["averaged"] == [ckpts[1], ckpts[2]]
 
     for engine, beam in (("torch", 1), ("ctranslate2", 4)):
-        cfg.eval.dev_bleu_engine, cfg.eval.dev_bleu_beam_size, cfg.eval.alpha = engine, beam, 1.0
+        cfg.dev_bleu.engine, cfg.dev_bleu.beam_size, cfg.decode.alpha = engine, beam, 1.0
         made = dev_bleu.DevBleuSettings.from_config(cfg).to_dict()
         ckpts, run_dir = _history(tmp_path / f"{engine}{beam}", [5.0, 20.0, 10.0], made)
-        cfg.eval.alpha = 0.6
+        cfg.decode.alpha = 0.6
         with pytest.raises(ValueError, match="no dev BLEU with the settings"):
             average.run(_ctx(tmp_path / f"{engine}{beam}", cfg, ckpts, run_dir))
 
 
 def test_plan_refuses_a_run_that_cannot_make_the_averaged_checkpoints(tmp_path, capsys):
     args = ["--config", "configs/local.toml", f"--run.work_dir={tmp_path}", "--train.max_steps=400",
-            "--checkpoint.interval_steps=100", "--eval.average_last=5", "--checkpoint.num_to_keep=5", "--plan"]
+            "--checkpoint.interval_steps=100", "--average.checkpoints=5", "--checkpoint.num_to_keep=5", "--plan"]
     assert reproduce_base.main(args) == 2
     err = capsys.readouterr().err
     for key in ("train.max_steps = 400", "checkpoint.interval_steps = 100", "writes 4 checkpoint(s)",
-                "eval.average_last = 5"):
+                "average.checkpoints = 5"):
         assert key in err, err
-    assert reproduce_base.main(args[:-1] + ["--eval.average_last=4", "--plan"]) == 0
+    assert reproduce_base.main(args[:-1] + ["--average.checkpoints=4", "--plan"]) == 0
     capsys.readouterr()
     assert reproduce_base.main([*args[:-1], "--to", "train", "--plan"]) == 0  # no average in this run
 
@@ -126,37 +126,37 @@ def test_plan_refuses_a_run_that_cannot_make_the_averaged_checkpoints(tmp_path, 
 def test_time_based_checkpoints_are_announced_not_refused():
     cfg = load_config("configs/big.toml")  # §6.1: checkpoints every 10 minutes, the last 20 averaged
     note = plan_check(cfg)
-    assert "expects 1 step checkpoint(s)" in note and "eval.average_last = 20" in note
+    assert "expects 1 step checkpoint(s)" in note and "average.checkpoints = 20" in note
     assert step_checkpoints(400, 100) == 4 and step_checkpoints(401, 100) == 5
 
 
 def test_dev_bleu_settings_key_average_only_when_it_selects_by_them():
     base = compute_keys(load_config("configs/local.toml"))
-    changed = compute_keys(load_config("configs/local.toml", ["--eval.dev_bleu_sentences=50",
-                                                              "--eval.dev_bleu_resources=CPU=2",
-                                                              "--eval.dev_bleu=false"]))
+    changed = compute_keys(load_config("configs/local.toml", ["--dev_bleu.sentences=50",
+                                                              "--dev_bleu.resources=CPU=2",
+                                                              "--dev_bleu.enabled=false"]))
     assert changed == base  # operational for train, not read by "last"
-    best = compute_keys(load_config("configs/local.toml", ["--eval.average_select=best_dev_bleu"]))
-    best50 = compute_keys(load_config("configs/local.toml", ["--eval.average_select=best_dev_bleu",
-                                                             "--eval.dev_bleu_sentences=50"]))
+    best = compute_keys(load_config("configs/local.toml", ["--average.select=best_dev_bleu"]))
+    best50 = compute_keys(load_config("configs/local.toml", ["--average.select=best_dev_bleu",
+                                                             "--dev_bleu.sentences=50"]))
     assert best["train"] == base["train"] and best["average"] != base["average"] != best50["average"]
 
 
 def test_bad_dev_bleu_keys_are_named():
-    with pytest.raises(ConfigError, match="eval.dev_bleu_resources"):
-        load_config(None, ["--eval.dev_bleu_resources=GPU"])
-    with pytest.raises(ConfigError, match="eval.average_select"):
-        load_config(None, ["--eval.average_select=best"])
-    assert train_dev_bleu.task_resources(load_config(None, ["--eval.dev_bleu_resources=GPU=1,CPU=2"]))[1:] == ("cuda", 2)
+    with pytest.raises(ConfigError, match="dev_bleu.resources"):
+        load_config(None, ["--dev_bleu.resources=GPU"])
+    with pytest.raises(ConfigError, match="average.select"):
+        load_config(None, ["--average.select=best"])
+    assert train_dev_bleu.task_resources(load_config(None, ["--dev_bleu.resources=GPU=1,CPU=2"]))[1:] == ("cuda", 2)
 
 
 def test_dev_bleu_settings_hold_decode_settings_and_record_them_flat():
-    cfg = load_config(None, ["--eval.beam_size=5", "--eval.dev_bleu_beam_size=1", "--eval.alpha=0.7",
-                             "--eval.dev_bleu_sentences=300"])
+    cfg = load_config(None, ["--decode.beam_size=5", "--dev_bleu.beam_size=1", "--decode.alpha=0.7",
+                             "--dev_bleu.sentences=300"])
     s = dev_bleu.DevBleuSettings.from_config(cfg)
-    assert s.decode == DecodeSettings(1, 0.7, cfg.eval.max_len_a, cfg.eval.max_len_b)  # dev_bleu_beam_size wins
+    assert s.decode == DecodeSettings(1, 0.7, cfg.decode.max_len_a, cfg.decode.max_len_b)  # dev_bleu_beam_size wins
     # the records' (and average's) form, as before DecodeSettings was held: flat, in this order
     assert list(s.to_dict()) == ["sentences", "engine", "quantization", "beam_size", "alpha", "max_len_a", "max_len_b"]
     assert s.to_dict()["sentences"] == 300 and s.to_dict()["beam_size"] == 1
     assert dev_bleu.DevBleuSettings.from_dict(s.to_dict()) == s
-    assert dev_bleu.DevBleuSettings.from_config(load_config(None, ["--eval.beam_size=3"])).decode.beam_size == 3
+    assert dev_bleu.DevBleuSettings.from_config(load_config(None, ["--decode.beam_size=3"])).decode.beam_size == 3

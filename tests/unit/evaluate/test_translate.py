@@ -119,7 +119,7 @@ def test_cpu_actors_start_with_the_threads_they_decode_with(monkeypatch):
 
     from pipeline.config import load_config
 
-    cfg = load_config("configs/local.toml", ["--eval.use_gpu=false", "--eval.num_workers=1"])
+    cfg = load_config("configs/local.toml", ["--decode.use_gpu=false", "--decode.num_workers=1"])
     with mock.patch("ray.cluster_resources", return_value={"CPU": 4.0}), \
             mock.patch("pipeline.ray_env.node_cpus", return_value=[4.0]):
         resources, device, threads = translate._actor_resources(cfg)

@@ -125,7 +125,7 @@ def test_a_local_cpu_worker_trains_as_the_run_would():
     cfg = load_config(["configs/multi30k-tiny.toml"], [])
     precision, threads = local_cpu_training(cfg)
     assert precision == resolve_precision("auto", torch.device("cpu"))
-    assert threads == max(1, torch.multiprocessing.cpu_count())  # eval.dev_bleu_resources = "CPU=0": no spare
+    assert threads == max(1, torch.multiprocessing.cpu_count())  # dev_bleu.resources = "CPU=0": no spare
     assert local_cpu_training(load_config(None, ["--workers.cpus_per_worker=3"]))[1] == 3
 
 

@@ -156,11 +156,11 @@ def test_preflight_refuses_a_ctranslate2_backend_for_a_model_it_is_not_given():
     from pipeline.config import ConfigError, load_config
     from workflows.preflight import check_decoding_engine
 
-    check_decoding_engine(load_config([], ["--eval.backend=ctranslate2", "--model.norm_position=pre",
+    check_decoding_engine(load_config([], ["--decode.backend=ctranslate2", "--model.norm_position=pre",
                                            "--model.positional=rotary"]))
     check_decoding_engine(load_config([], ["--model.d_k=16"]))  # our beam search holds anything
-    with pytest.raises(ConfigError, match=r"eval.backend = 'ctranslate2'.*d_k/d_v"):
-        check_decoding_engine(load_config([], ["--eval.backend=ctranslate2", "--model.d_k=16"]))
-    with pytest.raises(ConfigError, match=r"eval.backend = 'ctranslate2'.*d_k/d_v"):
-        check_decoding_engine(load_config([], ["--eval.backend=ctranslate2", "--model.ffn=swiglu",
+    with pytest.raises(ConfigError, match=r"decode.backend = 'ctranslate2'.*d_k/d_v"):
+        check_decoding_engine(load_config([], ["--decode.backend=ctranslate2", "--model.d_k=16"]))
+    with pytest.raises(ConfigError, match=r"decode.backend = 'ctranslate2'.*d_k/d_v"):
+        check_decoding_engine(load_config([], ["--decode.backend=ctranslate2", "--model.ffn=swiglu",
                                                "--model.d_k=16"]))

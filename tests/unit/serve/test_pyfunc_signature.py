@@ -66,7 +66,7 @@ def version(tmp_path_factory) -> dict:
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
     run = client.create_run(client.create_experiment("signature", artifact_location=str(root / "art")))
-    decode = asdict(DecodeSettings.of(Config().eval))
+    decode = asdict(DecodeSettings.of(Config().decode))
     handler, loggers = _Records(), [logging.getLogger(name) for name in ("mlflow", "transformers")]
     for logger in loggers:
         logger.addHandler(handler)

@@ -37,6 +37,6 @@ def test_the_task_yields_only_where_it_holds_no_cpu_of_its_own():
     from pipeline.train.dev_bleu_validation import shares_training_cores
 
     def yields(resources: str) -> bool:
-        return shares_training_cores(load_config(None, [f"--eval.dev_bleu_resources={resources}"]))
+        return shares_training_cores(load_config(None, [f"--dev_bleu.resources={resources}"]))
 
     assert yields("CPU=0") and not yields("CPU=1") and not yields("GPU=1,CPU=0")

@@ -20,9 +20,9 @@ from tests.unit.train.test_loop import shards, tiny_spec  # noqa: F401 (a fixtur
 
 def test_use_gpus_auto_true_false():
     assert use_gpus("auto", 1, "workers.use_gpu") and not use_gpus("auto", 0, "workers.use_gpu")
-    assert use_gpus(True, 8, "eval.use_gpu") and not use_gpus(False, 8, "eval.use_gpu")
-    with pytest.raises(ConfigError, match=r"eval.use_gpu = true but the Ray cluster has no GPU.*\"auto\""):
-        use_gpus(True, 0, "eval.use_gpu")
+    assert use_gpus(True, 8, "decode.use_gpu") and not use_gpus(False, 8, "decode.use_gpu")
+    with pytest.raises(ConfigError, match=r"decode.use_gpu = true but the Ray cluster has no GPU.*\"auto\""):
+        use_gpus(True, 0, "decode.use_gpu")
 
 
 def test_on_for_is_on_for_cuda_only_when_auto():
@@ -31,8 +31,8 @@ def test_on_for_is_on_for_cuda_only_when_auto():
 
 
 def test_config_takes_auto_or_a_boolean_and_names_the_key_otherwise():
-    cfg = load_config(None, ["--workers.use_gpu=auto", "--eval.use_gpu=false", "--speed.compile=true"])
-    assert (cfg.workers.use_gpu, cfg.eval.use_gpu, cfg.speed.compile, cfg.speed.shape_buckets) == ("auto", False, True,
+    cfg = load_config(None, ["--workers.use_gpu=auto", "--decode.use_gpu=false", "--speed.compile=true"])
+    assert (cfg.workers.use_gpu, cfg.decode.use_gpu, cfg.speed.compile, cfg.speed.shape_buckets) == ("auto", False, True,
                                                                                                   "auto")
     with pytest.raises(ConfigError, match="speed.shape_buckets"):
         load_config(None, ["--speed.shape_buckets=sometimes"])

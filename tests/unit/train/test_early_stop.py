@@ -116,8 +116,8 @@ def test_the_metric_must_exist(shards, tmp_path):
     spec = tiny_spec(shards, early_stop_patience=2, early_stop_metric="dev_bleu")  # no dev_bleu_dir
     with pytest.raises(ConfigError, match="needs dev BLEU"):
         train_worker(spec, LocalSession(tmp_path))
-    with pytest.raises(ConfigError, match="eval.dev_bleu"):
-        load_config(None, ["--train.early_stop_patience=2", "--eval.dev_bleu=false"])
+    with pytest.raises(ConfigError, match="dev_bleu.enabled"):
+        load_config(None, ["--train.early_stop_patience=2", "--dev_bleu.enabled=false"])
 
 
 def test_patience_is_in_the_train_key_only_when_set():
