@@ -121,7 +121,7 @@ def run(ctx: StageContext) -> StageResult:
     dec, scored = ctx.cfg.decode, ctx.cfg.score
     avg, enc = ctx.inputs["average"].outputs, ctx.inputs["encode"].outputs
     mcfg = model_config_of(avg["model_config"])  # built once here; the actors get this object
-    settings = DecodeSettings.of(ev)
+    settings = DecodeSettings.of(dec)
     max_len = max_source_len(mcfg.max_positions, settings.max_len_a, settings.max_len_b)
 
     frames, rows, counts, next_batch = {}, [], {}, 0
