@@ -186,7 +186,7 @@ def train(pr: Profile, size: str, compile_: bool, train_dir: Path, work: Path) -
     src_per_tgt = summary["tokens_seen"]["src"] / max(summary["tokens_seen"]["tgt"], 1)
     step_flops = model_flops_per_step(mc, int(pr.tokens_per_step * src_per_tgt), pr.tokens_per_step)
     return {"tgt_tokens_per_s": tps, "model_flops_per_step": step_flops, "precision": trainer.device_setup.precision,
-            "params": sum(p.numel() for p in trainer.model.parameters()), "steps": steps,
+            "params": sum(p.numel() for p in trainer.model.module.parameters()), "steps": steps,
             "counted_flops_per_tgt_token": counted_flops_per_tgt_token(trainer, mc, steps),
             "compiled_graphs": (trainer.device_setup.compiler.num_graphs if trainer.device_setup.compiler is not None
                                 else None),

@@ -23,7 +23,7 @@ from pipeline.train.feeder import HostBatcher
 from pipeline.plan.flops import OpCounter
 from pipeline.train.metrics import Window
 from pipeline.train.feeder import to_device
-from pipeline.train.step import LossSettings, accumulate_gradients, distributed, optimizer_step
+from pipeline.train.step import LossSettings, TrainedModel, accumulate_gradients, optimizer_step
 
 
 def count_syncs(trainer: Trainer, device: str, steps: int = 10) -> tuple[float, int]:
@@ -89,7 +89,7 @@ def step_profile(trainer: Trainer, device: str, steps: int = 6) -> dict:
 def checkpoint_stall(trainer: Trainer, folder: Path) -> dict:
     folder.mkdir()
     t1 = time.perf_counter()
-    train_checkpoint.save(folder, model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+    train_checkpoint.save(folder, model=trainer.model.module, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
                           scaler=None, progress=trainer.progress, model_config=trainer.mcfg.to_dict())
     return {"checkpoint_stall_s": time.perf_counter() - t1,
             "checkpoint_bytes": sum(f.stat().st_size for f in folder.iterdir())}
@@ -179,7 +179,8 @@ def ddp_section(pr: Any, trainer: Trainer, plain_tps: float) -> tuple[dict, str]
     try:
         # bf16_compress_hook needs NCCL (CUDA) or XCCL: the smoke's gloo DDP runs without it.
         hook = "bf16" if backend == "nccl" else "none"
-        ddp = distributed(trainer.forward_model, trainer.device, 1, hook, always=True)
+        ddp = TrainedModel(trainer.model.module, trainer.model.compiled)
+        ddp.distribute(trainer.device, 1, hook, always=True)
         plan = trainer.plan.groups(1)[: pr.train_steps["base"]]
         host = HostBatcher(trainer.train_data, trainer.mcfg, 0, 1, trainer.speed.max_tokens_per_batch, trainer.device)
         windows: list[Window] = []

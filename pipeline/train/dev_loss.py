@@ -19,7 +19,6 @@ import math
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig
 from pipeline.batch_plan import step_groups
@@ -27,7 +26,7 @@ from pipeline.batch_plan.shapes import ShapeBuckets
 from pipeline.train import token_batches
 from pipeline.train.corpus import Corpus
 from pipeline.train.feeder import to_device
-from pipeline.train.step import LossSettings, micro_batch_loss
+from pipeline.train.step import LossSettings, TrainedModel, micro_batch_loss
 
 
 class DevLoss:
@@ -45,10 +44,11 @@ class DevLoss:
         self.batches = step_groups.plan_eval_batches(rows, d.src_len, d.tgt_len, max_tokens)
 
     @torch.no_grad()
-    def sums(self, model: torch.nn.Module) -> torch.Tensor:
-        """(3,) float64 on the device: loss, nll and target tokens of this worker's stride of the batches."""
+    def sums(self, model: TrainedModel | torch.nn.Module) -> torch.Tensor:
+        """(3,) float64 on the device: loss, nll and target tokens of this worker's stride of the
+        batches; of the worker's model as compiled, outside DDP (no gradient to reduce)."""
         d = self.data
-        inner = model.module if isinstance(model, DDP) else model
+        inner = model.compiled if isinstance(model, TrainedModel) else model
         inner.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         for rows in self.batches[self.rank::self.world]:

@@ -55,7 +55,7 @@ from pipeline.train.early_stop import EarlyStopDecision
 from pipeline.train.feeder import Feeder, HostBatcher, MicroBatch, StepBatch, StepPlan, upload
 from pipeline.train.metrics import TrainLog, Window
 from pipeline.train.session import LocalSession, Session, wrap  # noqa: F401 (LocalSession: re-exported)
-from pipeline.train.step import accumulate_gradients, distributed, optimizer_step, step_seed
+from pipeline.train.step import TrainedModel, accumulate_gradients, optimizer_step, step_seed
 
 log = logging.getLogger(__name__)
 
@@ -132,16 +132,16 @@ class Trainer:
         self.train_data = load_shared_corpus(spec.train_dir, self.cfg.workers.corpus_cache_dir or None)
         self.plan = StepPlan(self.train_data, tc.max_len, tc.tokens_per_step, tc.seed)
         torch.manual_seed(tc.seed)  # identical initial weights on every worker
-        self.model = Transformer(self.mcfg, cpu_kernels=cpu_kernels).to(self.device)
+        module = Transformer(self.mcfg, cpu_kernels=cpu_kernels).to(self.device)
         # speed.shape_buckets: fixed shapes on a GPU, for the steps and the dev batches alike
         buckets = ShapeBuckets() if on_for(speed.shape_buckets, self.device.type) else None
-        self.loss_settings = self.device_setup.loss_settings(self.model, tc.label_smoothing, self.mcfg.pad_id)
+        self.loss_settings = self.device_setup.loss_settings(module, tc.label_smoothing, self.mcfg.pad_id)
         self.dev_loss = (DevLoss(load_corpus(spec.dev_dir), self.mcfg, speed.max_tokens_per_batch, self.loss_settings,
                                  self.rank, self.world, self.device, buckets) if spec.dev_dir else None)
-        self.optimizer = make_optimizer(self.model, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps)
+        self.optimizer = make_optimizer(module, betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps)
         self.scheduler = make_scheduler(self.optimizer, self.mcfg.d_model, tc.warmup_steps, tc.lr_scale)
-        self.forward_model = self.device_setup.compile(self.model)  # what the steps call
-        why = self.device_setup.choose_attention(self.mcfg.n_heads, self.model.decoder_layers[0].self_attn.heads.hs)
+        self.model = TrainedModel(module, self.device_setup.compile(module))  # the one handle to it
+        why = self.device_setup.choose_attention(self.mcfg.n_heads, module.decoder_layers[0].self_attn.heads.hs)
         if self.rank == 0:
             log.info("%s", why)
         # This worker's host batches; it counts the shapes it made.
@@ -149,7 +149,7 @@ class Trainer:
                                    self.device, self.device_setup.row_multiple, buckets)
         self.state = LoopState()
         self.cadence = Cadence(tc.max_steps, self.cfg.metrics, self.cfg.checkpoint, validates=self.dev_loss is not None)
-        state = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler,
+        state = {"model": module, "optimizer": self.optimizer, "scheduler": self.scheduler,
                  "scaler": self.loss_settings.scaler}
         extra = {"seed": tc.seed, "world_size": self.world, "num_dropped": self.plan.num_dropped}
         self.checkpoints = Checkpointer(session, self.rank, self.device, self.cfg.checkpoint, state, tc.max_steps,
@@ -176,7 +176,8 @@ class Trainer:
         s = self.state
         s.start_step = s.progress.step
         self.cadence.checkpointed()  # the checkpoint clock starts with the loop
-        model = distributed(self.forward_model, self.device, self.world, self.speed.grad_compression)
+        model = self.model
+        model.distribute(self.device, self.world, self.speed.grad_compression)
         log_start(self)
         s.begin()
         feeder = Feeder(self.batcher, prefetch=self.speed.prefetch)
@@ -209,20 +210,20 @@ class Trainer:
             self.metrics.close()
         return summary(self)
 
-    def _on_device(self, model: torch.nn.Module, host: StepBatch) -> list[MicroBatch]:
+    def _on_device(self, model: TrainedModel, host: StepBatch) -> list[MicroBatch]:
         """The step's micro-batches uploaded, its dropout seed set, the model in training mode."""
         micro = [upload(mb, self.device) for mb in host.micro_batches]
         torch.manual_seed(step_seed(self.tc.seed, self.rank, self.state.progress.step + 1))
         model.train()
         return micro
 
-    def _train_step(self, model: torch.nn.Module, micro: list[MicroBatch], host: StepBatch, started: float
+    def _train_step(self, model: TrainedModel, micro: list[MicroBatch], host: StepBatch, started: float
                     ) -> StepResult:
         """One optimizer step on the uploaded `micro` batches of `host`: what it did."""
         with self.device_setup.attention():
             loss, nll = accumulate_gradients(model, micro, host.tgt_tokens, self.world, self.loss_settings)
         lr = self.optimizer.param_groups[0]["lr"]
-        norm = optimizer_step(self.model, self.optimizer, self.scheduler, self.loss_settings.scaler, self.tc.clip_norm,
+        norm = optimizer_step(model, self.optimizer, self.scheduler, self.loss_settings.scaler, self.tc.clip_norm,
                               self.cadence.logs(self.state.progress.step + 1))
         return StepResult(loss=loss, nll=nll, lr=lr, grad_norm=norm, src_tokens=host.src_tokens,
                           tgt_tokens=host.tgt_tokens, started=started)
@@ -280,7 +281,7 @@ def stop_preempted(t: Trainer, agreed: Agreed, fits: bool) -> None:
                                f"{'after a checkpoint' if fits else 'without a checkpoint'}")
 
 
-def local_side(t: Trainer, model: torch.nn.Module, notice: preemption.Notice | None, started: float) -> Local:
+def local_side(t: Trainer, model: TrainedModel, notice: preemption.Notice | None, started: float) -> Local:
     """This rank's side of the step's agreement: the sums of a log or validation step, rank 0's
     wishes (a time-based checkpoint, an early stop on dev BLEU), the preemption notice."""
     p, c = t.state.progress, t.cadence

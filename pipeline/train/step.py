@@ -59,9 +59,8 @@ def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, settings: LossSetti
     or with `settings.fused_output` the projection fused with the loss (`FusedOutput`: no (M, V)
     logits). The training steps and the dev loss both compute it so.
 
-    `model` is the Transformer, or it wrapped by DDP and/or torch.compile: the call goes through
-    the wrappers (DDP prepares its gradient reduction in forward); the projection outside forward
-    is the Transformer's own (its gradient still reaches DDP through autograd)."""
+    `model` is the Transformer (or it under torch.compile), or the worker's `TrainedModel`, whose
+    call goes through DDP; `model.logits` is the Transformer's own projection either way."""
     epsilon, pad_id, autocast, fused_output = (settings.label_smoothing, settings.pad_id, settings.autocast,
                                                settings.fused_output)
     # (M,): the projection skips pad positions. A boolean index would wait for the device to learn
@@ -69,15 +68,45 @@ def micro_batch_loss(model: torch.nn.Module, mb: MicroBatch, settings: LossSetti
     target = mb.target if mb.target is not None else mb.tgt_out[mb.tgt_out != pad_id]
     with autocast():
         hidden = model(mb.src, mb.tgt_in, NonPad(mb.src_index, mb.tgt_index))  # (M, d)
-        logits = _unwrapped(model).logits(hidden) if fused_output is None else None  # (M, V)
+        logits = model.logits(hidden) if fused_output is None else None  # (M, V)
     if fused_output is None:
         return label_smoothed_nll(logits, target, epsilon=epsilon, ignore_index=pad_id, overwrite_logits=True)
     return linear_label_smoothed_nll(hidden, fused_output.weight, target, epsilon, pad_id, fused_output.dtype)
 
 
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DDP (torch.compile's wrapper hands attributes to its module itself)."""
-    return model.module if isinstance(model, DDP) else model
+class TrainedModel:
+    """The one handle to the model a worker trains.
+
+    `module` is the Transformer: its parameters are what the optimizer steps, the norm clips and
+    the checkpoint saves. `compiled` is what a forward runs: `module`, or it under torch.compile
+    (speed.compile; the dev loss runs it too). Calling the handle runs the step's forward:
+    `compiled`, inside DDP once `distribute` wraps it for more than one worker (DDP prepares the
+    gradients' all-reduce in forward). `logits` is the module's own output projection, outside
+    forward (its gradient still reaches DDP through autograd)."""
+
+    def __init__(self, module: torch.nn.Module, compiled: torch.nn.Module | None = None):
+        self.module = module
+        self.compiled = module if compiled is None else compiled
+        self.step_forward: torch.nn.Module = self.compiled
+
+    def distribute(self, device: torch.device, world: int, grad_compression: str, always: bool = False) -> None:
+        self.step_forward = distributed(self.compiled, device, world, grad_compression, always)
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        return self.step_forward(*args)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.module.logits(hidden)
+
+    def parameters(self) -> Any:
+        return self.module.parameters()
+
+    def train(self) -> None:
+        self.step_forward.train()
+
+    def no_sync(self) -> ContextManager:
+        """DDP's: no all-reduce in this backward (a micro-batch before the step's last)."""
+        return self.step_forward.no_sync() if isinstance(self.step_forward, DDP) else contextlib.nullcontext()
 
 
 def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch], step_tgt_tokens: int,
@@ -92,7 +121,7 @@ def accumulate_gradients(model: torch.nn.Module, micro_batches: list[MicroBatch]
     nll_total = torch.zeros((), device=micro_batches[0].src.device)
     for i, mb in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        sync = contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             loss, nll = micro_batch_loss(model, mb, settings)
             if mb.weight != 1.0:

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from model import ModelConfig, Transformer, label_smoothed_nll
 from pipeline.batch_plan import step_groups
@@ -19,7 +18,7 @@ from pipeline.train import token_batches
 from pipeline.train.corpus import Corpus
 from pipeline.train.token_batches import BatchLayout
 from pipeline.train.feeder import MicroBatch, to_device
-from pipeline.train.step import LossSettings, accumulate_gradients
+from pipeline.train.step import LossSettings, TrainedModel, accumulate_gradients
 
 MC = ModelConfig(vocab_size=50, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
                  dropout=0.0)
@@ -93,10 +92,11 @@ def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         chunks = [rows[i:i + 4] for i in range(0, 16, 4)]
         mine = chunks[rank::world]  # chunk j -> worker j % world, as step_groups.split_step assigns
         torch.manual_seed(0)
-        model = DDP(Transformer(MC))
+        model = TrainedModel(Transformer(MC))  # the loop's handle: its step's forward runs in DDP
+        model.distribute(torch.device("cpu"), world, "none")
         accumulate_gradients(model, [micro(data, c) for c in mine], n_tokens, world_size=world,
                              settings=LossSettings(label_smoothing=0.1, pad_id=0))
-        grads = {n.removeprefix("module."): p.grad for n, p in model.named_parameters()}
+        grads = {n: p.grad for n, p in model.module.named_parameters()}
         torch.save(grads, os.path.join(out_dir, f"grads_{rank}.pt"))
     finally:
         dist.destroy_process_group()
