@@ -41,8 +41,22 @@ def cache_value(value: Any) -> Any:
 # it comes from).
 FORMERLY_READS: dict[str, tuple[str, ...]] = {"download": ("data.mirror",)}
 
-# Settings of speed, workers, checkpoint, metrics and plan spelled as train keys: the loader refuses
-# each naming its place (``train.precision is now speed.precision``), so none is dropped unsaid.
+# The evaluation settings, once one [eval] section, now one section per job: which checkpoints
+# are averaged, how translate decodes, what score scores, dev BLEU while training.
+EVAL_MOVED: dict[str, str] = {
+    "eval.average_last": "average.checkpoints", "eval.average_select": "average.select",
+    **{f"eval.{k}": f"decode.{k}" for k in (
+        "beam_size", "alpha", "max_len_a", "max_len_b", "batch_tokens", "num_workers", "use_gpu",
+        "threads_per_worker", "backend", "ct2_quantization")},
+    **{f"eval.{k}": f"score.{k}" for k in ("splits", "max_sentences", "attention_sentences")},
+    "eval.dev_bleu": "dev_bleu.enabled",
+    **{f"eval.dev_bleu_{k}": f"dev_bleu.{k}" for k in ("sentences", "engine", "quantization", "beam_size",
+                                                       "resources")},
+}
+
+# Settings of speed, workers, checkpoint, metrics and plan spelled as train keys, and the former
+# [eval] keys: the loader refuses each naming its place (``train.precision is now speed.precision``),
+# so none is dropped unsaid.
 MOVED_KEYS: dict[str, str] = {
     **{f"train.{k}": f"speed.{k}" for k in (
         "precision", "max_tokens_per_batch", "prefetch", "compile", "compile_backend", "shape_buckets",
@@ -58,20 +72,8 @@ MOVED_KEYS: dict[str, str] = {
     "train.log_interval_steps": "metrics.log_interval_steps",
     "train.eval_interval_steps": "metrics.val_loss_interval_steps",
     **{f"train.{k}": f"plan.{k}" for k in ("gpu_type", "mfu_from", "assumed_mfu")},
+    **EVAL_MOVED,
 }
-# The evaluation settings, once one [eval] section, now one section per job: which checkpoints
-# are averaged, how translate decodes, what score scores, dev BLEU while training.
-EVAL_MOVED: dict[str, str] = {
-    "eval.average_last": "average.checkpoints", "eval.average_select": "average.select",
-    **{f"eval.{k}": f"decode.{k}" for k in (
-        "beam_size", "alpha", "max_len_a", "max_len_b", "batch_tokens", "num_workers", "use_gpu",
-        "threads_per_worker", "backend", "ct2_quantization")},
-    **{f"eval.{k}": f"score.{k}" for k in ("splits", "max_sentences", "attention_sentences")},
-    "eval.dev_bleu": "dev_bleu.enabled",
-    **{f"eval.dev_bleu_{k}": f"dev_bleu.{k}" for k in ("sentences", "engine", "quantization", "beam_size",
-                                                       "resources")},
-}
-MOVED_KEYS.update(EVAL_MOVED)
 
 # New place -> the spelling of the stage keys made before the move (pipeline.stage.Stage.key_material).
 CACHE_SPELLING: dict[str, str] = {new: old for old, new in EVAL_MOVED.items()}
@@ -81,9 +83,10 @@ def moved_to_new_places(data: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
     """A config dict (section -> key -> value) with each moved key in its new place."""
     out: dict[str, dict[str, Any]] = {}
     for section, values in data.items():
-        for key, value in (values.items() if isinstance(values, dict) else ()):
+        if not isinstance(values, dict):  # not a table: the loader names it
+            out[section] = values
+            continue
+        for key, value in values.items():
             new_section, new_key = MOVED_KEYS.get(f"{section}.{key}", f"{section}.{key}").split(".", 1)
             out.setdefault(new_section, {})[new_key] = value
-        if not isinstance(values, dict):
-            out[section] = values
     return out
