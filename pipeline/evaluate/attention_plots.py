@@ -46,18 +46,23 @@ def draw(maps: Any, src_pieces: list[str], tgt_pieces: list[str], kind: str, pat
     L, H, tq, tk = maps.shape
     rows, cols = (tgt_pieces, src_pieces) if kind == "cross" else (src_pieces, src_pieces)
     assert (len(rows), len(cols)) == (tq, tk), (kind, len(rows), len(cols), tq, tk)
-    size = 0.22 * max(tq, tk) + 1.2
-    fig, axes = plt.subplots(L, H, figsize=(H * size, L * size), squeeze=False)
+    # A panel's sides follow its own axes (0.22 in per piece), and the pieces label the outer panels
+    # only (the grid shares its axes): drawing the labels and the pixels is most of the time, ~2x less
+    # this way for a long hypothesis.
+    width, height = 0.22 * tk + 1.2, 0.22 * tq + 1.2
+    fig, axes = plt.subplots(L, H, figsize=(H * width, L * height), squeeze=False, sharex=True, sharey=True,
+                             layout="constrained")
     for layer in range(L):
         for head in range(H):
             ax = axes[layer][head]
             ax.imshow(maps[layer, head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
-            ax.set_xticks(range(tk), cols, rotation=90, fontsize=6)
-            ax.set_yticks(range(tq), rows, fontsize=6)
-            label = "\n" + textwrap.fill(labels[layer][head], width=max(24, int(size * 9))) if labels else ""
+            if layer == L - 1:
+                ax.set_xticks(range(tk), cols, rotation=90, fontsize=6)
+            if head == 0:
+                ax.set_yticks(range(tq), rows, fontsize=6)
+            label = "\n" + textwrap.fill(labels[layer][head], width=max(24, int(width * 9))) if labels else ""
             ax.set_title(f"layer {layer + 1}, head {head + 1}{label}", fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
