@@ -5,9 +5,11 @@ each step attends over the cached keys and values of the earlier positions (O(st
 instead of running the decoder over the whole prefix again. Rows are sentence-major: row
 r = b * beam_size + j is beam j of sentence b.
 
-In eval mode with d_k = d_v a step runs `decoder_layer_step`, `DecoderLayer.forward` fused by hand
-on transposed weight copies made once per search (`LayerWeights`); train mode and d_k != d_v run
-the modules. Both paths are checked against the teacher-forced forward at every value of every
+A step runs `decoder_layer_step`: `DecoderLayer.forward` for one new position per row, fused by
+hand on transposed weight copies made once per search (`LayerWeights`), with the self-attention's
+keys and values cached here and a sentence's beams folded into the cross-attention's query axis
+(the layers themselves know neither). Decoding is inference: the model must be in eval mode (no
+dropout). The step is checked against the teacher-forced forward at every value of every
 `ModelConfig` field (tests/unit/model/test_fused_step.py, which fails on a field it does not know):
 a variant added to `DecoderLayer` and not here fails there, before a model trains one way and
 decodes another.
@@ -23,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .heads import Heads, pad_heads
 from .kernels import add_into
 from .padding import Positions, key_padding_to_attn_mask
 
@@ -37,12 +40,11 @@ class LayerWeights:
     x @ W.T on CPU; each norm as (gain, bias), bias None for RMSNorm. Made once per search, not
     per step. The options after the paper (`ModelConfig`) are the last four fields."""
 
-    n_heads: int
-    hs: int  # head width (= d_k = d_v)
+    heads: Heads  # h, d_k, d_v, the padded head width hs = max(d_k, d_v), SDPA's scale
     eps: float  # the norms' epsilon
-    qkv: Linear  # self-attention [W_Q; W_K; W_V]^T (d, 3d), bias
+    qkv: Linear  # self-attention [W_Q; W_K; W_V]^T (d, h * (2 d_k + d_v)), bias
     self_out: Linear  # self-attention W_O^T (d, d), bias
-    cross_q: Linear  # cross-attention W_Q^T (d, d), bias
+    cross_q: Linear  # cross-attention W_Q^T (d, h * d_k), bias
     cross_out: Linear  # cross-attention W_O^T (d, d), bias
     ffn1: Linear  # W_1^T (d, d_ff), b_1
     ffn2: Linear  # W_2^T (d_ff, d), b_2
@@ -65,7 +67,7 @@ class LayerWeights:
         def norm(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
             return m.weight, getattr(m, "bias", None)
 
-        return cls(n_heads=sa.n_heads, hs=sa.heads.hs, eps=layer.norm1.eps, qkv=linear(sa.qkv_proj),
+        return cls(heads=sa.heads, eps=layer.norm1.eps, qkv=linear(sa.qkv_proj),
                    self_out=linear(sa.out_proj), cross_q=linear(ca.q_proj), cross_out=linear(ca.out_proj),
                    ffn1=linear(ffn.w1), ffn2=linear(ffn.w2),
                    norm1=norm(layer.norm1), norm2=norm(layer.norm2), norm3=norm(layer.norm3), pre_norm=layer.pre_norm,
@@ -88,24 +90,39 @@ def decoder_layer_step(w: LayerWeights, x: torch.Tensor, cross_kv: torch.Tensor,
 
 
 def _self_attention(w: LayerWeights, x: torch.Tensor, cache: torch.Tensor, step: int) -> torch.Tensor:
-    N, h, hs = x.shape[0], w.n_heads, w.hs
-    qkv = torch.addmm(w.qkv[1], x, w.qkv[0]).view(N, 3, h, hs)
-    q = qkv[:, 0, :, None]  # (N, h, 1, hs)
-    if w.rotary is None:
-        cache[:, :, :, step] = qkv[:, 1:].transpose(0, 1)  # (2, N, h, hs)
-    else:  # Su et al. (2021): the new query and key rotated by their position
-        q = w.rotary(q, step)
-        cache[0, :, :, step], cache[1, :, :, step] = w.rotary(qkv[:, 1, :, None], step)[:, :, 0], qkv[:, 2]
-    y = F.scaled_dot_product_attention(q, cache[0, :, :, : step + 1], cache[1, :, :, : step + 1])  # (N, h, 1, hs)
-    return torch.addmm(w.self_out[1], y.reshape(N, h * hs), w.self_out[0])
+    hd = w.heads
+    N, h, hs = x.shape[0], hd.n_heads, hd.hs
+    qkv = torch.addmm(w.qkv[1], x, w.qkv[0])  # (N, h * (2 d_k + d_v))
+    if hd.uniform:
+        qkv = qkv.view(N, 3, h, hs)
+        q, kv = qkv[:, 0, :, None], qkv[:, 1:].transpose(0, 1)  # (N, h, 1, hs), (2, N, h, hs)
+    else:  # Table 3 rows A/B: each head's q, k, v zero-padded to hs (`model.heads`)
+        q, k, v = (pad_heads(p.view(N, h, width), hs) for p, width in
+                   zip(qkv.split([h * hd.d_k, h * hd.d_k, h * hd.d_v], dim=-1), (hd.d_k, hd.d_k, hd.d_v)))
+        q, kv = q[:, :, None], torch.stack((k, v))
+    if w.rotary is not None:  # Su et al. (2021): the new query and key rotated by their position
+        q, kv = w.rotary(q, step), torch.stack((w.rotary(kv[0, :, :, None], step)[:, :, 0], kv[1]))
+    cache[:, :, :, step] = kv  # this position's K and V, one copy
+    y = F.scaled_dot_product_attention(q, cache[0, :, :, : step + 1], cache[1, :, :, : step + 1],
+                                       scale=hd.scale)  # (N, h, 1, hs)
+    return torch.addmm(w.self_out[1], _merge(hd, y[:, :, 0]), w.self_out[0])
 
 
 def _cross_attention(w: LayerWeights, x: torch.Tensor, cross_kv: torch.Tensor, cross_mask: torch.Tensor
                      ) -> torch.Tensor:
-    N, B, h, hs = x.shape[0], cross_kv.shape[1], w.n_heads, w.hs  # a sentence's N // B beams are its queries
-    q = torch.addmm(w.cross_q[1], x, w.cross_q[0]).view(B, N // B, h, hs).transpose(1, 2)  # (B, h, beam, hs)
-    y = F.scaled_dot_product_attention(q, cross_kv[0], cross_kv[1], attn_mask=cross_mask)
-    return torch.addmm(w.cross_out[1], y.transpose(1, 2).reshape(N, h * hs), w.cross_out[0])
+    """The beams of a sentence share its memory: they are its queries (B, h, beam, hs), so the
+    cross K/V are stored once per sentence, never copied beam times."""
+    hd = w.heads
+    N, B, h = x.shape[0], cross_kv.shape[1], hd.n_heads
+    q = torch.addmm(w.cross_q[1], x, w.cross_q[0]).view(B, N // B, h, hd.d_k).transpose(1, 2)
+    y = F.scaled_dot_product_attention(pad_heads(q, hd.hs), cross_kv[0], cross_kv[1], attn_mask=cross_mask,
+                                       scale=hd.scale)  # (B, h, beam, hs)
+    return torch.addmm(w.cross_out[1], _merge(hd, y.transpose(1, 2).reshape(N, h, hd.hs)), w.cross_out[0])
+
+
+def _merge(hd: Heads, y: torch.Tensor) -> torch.Tensor:
+    """(N, h, hs) -> (N, h * d_v), the padded value columns dropped."""
+    return (y if hd.d_v == hd.hs else y[..., : hd.d_v]).reshape(y.shape[0], -1)
 
 
 def _ffn(w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -147,8 +164,7 @@ class DecoderState:
     beam_size: int
     step: int = 0  # tokens fed so far = position of the next token
     spare_kv: torch.Tensor | None = None  # reorder's target buffer, swapped with self_kv
-    # per decoder layer, for the eval-mode fused step; None: decode_step runs the modules
-    layer_weights: list[LayerWeights] | None = None
+    layer_weights: list[LayerWeights]  # what each decoder layer's step reads
     first_step_per_sentence: ClassVar[bool] = True  # decode_step takes one row per sentence at step 0
     drops_sentences: ClassVar[bool] = True  # reorder takes `sentences`
 
@@ -184,8 +200,10 @@ def start(model: Any, memory: torch.Tensor, src_pad_mask: torch.Tensor, beam_siz
           max_len: int | None = None) -> DecoderState:
     """The caches of `model`'s (a `Transformer`'s) decoder layers for memory (B, S, d), `beam_size`
     rows per sentence, up to `max_len` fed tokens (bos included; default and maximum
-    `cfg.max_positions`)."""
+    `cfg.max_positions`). The model must be in eval mode: decoding has no dropout."""
     cfg, layers = model.cfg, model.decoder_layers
+    if model.training:
+        raise ValueError("incremental decoding runs the model in eval mode (no dropout): call model.eval() first")
     max_len = cfg.max_positions if max_len is None else max_len
     if not 0 < max_len <= cfg.max_positions:
         raise ValueError(f"max_len={max_len} must be in [1, max_positions={cfg.max_positions}]")
@@ -196,12 +214,9 @@ def start(model: Any, memory: torch.Tensor, src_pad_mask: torch.Tensor, beam_siz
     cross_kv = torch.stack([layer.cross_attn.project_kv(memory, at) for layer in layers])
     self_kv = cross_kv.new_empty(len(layers), 2, B * beam_size, h, max_len, heads.hs)
     output_weight_t = model.output_proj.weight.t().contiguous()
-    layer_weights = None
-    if not model.training and heads.uniform:  # the fused step assumes d_k = d_v
-        layer_weights = [LayerWeights.of(layer) for layer in layers]
     return DecoderState(self_kv=self_kv, cross_kv=cross_kv, cross_mask=key_padding_to_attn_mask(src_pad_mask),
                         output_weight_t=output_weight_t, beam_size=beam_size,
-                        layer_weights=layer_weights)
+                        layer_weights=[LayerWeights.of(layer) for layer in layers])
 
 
 def decode_step(model: Any, prev_ids: torch.Tensor, state: DecoderState) -> torch.Tensor:
@@ -218,18 +233,10 @@ def decode_step(model: Any, prev_ids: torch.Tensor, state: DecoderState) -> torc
     shared = prev_ids.shape[0] != N
     if shared and (t != 0 or prev_ids.shape[0] * k != N):
         raise ValueError(f"prev_ids has {prev_ids.shape[0]} rows; the state has {N} (or {N // k} at step 0)")
-    x = model.embed(model.tgt_embed, prev_ids.view(-1, 1), offset=t)  # (N, 1, d) or (B, 1, d)
-    fused = state.layer_weights is not None and not model.training
-    if fused:
-        x = x[:, 0]  # (N, d)
-    for i, layer in enumerate(model.decoder_layers):
+    x = model.embed(model.tgt_embed, prev_ids.view(-1, 1), offset=t)[:, 0]  # (N, d) or (B, d)
+    for i, weights in enumerate(state.layer_weights):
         cache = state.self_kv[i][:, ::k] if shared else state.self_kv[i]  # beam 0 of each sentence
-        if fused:
-            x = decoder_layer_step(state.layer_weights[i], x, state.cross_kv[i], state.cross_mask, cache, t)
-        else:
-            x = layer(x, state.cross_kv[i], state.cross_mask, cache=cache, step=t)
-    if not fused:
-        x = x[:, 0]  # (N, d)
+        x = decoder_layer_step(weights, x, state.cross_kv[i], state.cross_mask, cache, t)
     if model.decoder_norm is not None:  # pre-norm's final norm
         x = model.decoder_norm(x)
     if shared and k > 1:  # beams 1..k-1 copy beam 0's slot 0

@@ -3,12 +3,12 @@ attention (§3.2), feed-forward (§3.3), encoder and decoder layers (§3.1), the
 The rows after 2017 are options whose defaults are the paper's model (`ModelConfig`; docs/model.md):
 rotary positions (`positional`), pre-norm (`norm_position`), RMSNorm (`norm`), SwiGLU (`ffn`).
 Sequences: source = pieces + [eos] (no bos); decoder input = [bos] + pieces; decoder target =
-pieces + [eos]; right-padded with pad_id. Shapes: B sentences, N = B * beam rows while decoding,
-S source / T target length, M real (non-pad) positions, d = d_model, h = n_heads, d_k / d_v the
+pieces + [eos]; right-padded with pad_id. Shapes: B sentences, S source / T target length, M real (non-pad) positions, d = d_model, h = n_heads, d_k / d_v the
 per-head widths (Table 3 A/B), hs = max(d_k, d_v) (`model.heads`), V = vocab_size.
 
 Beside it: `padding` (real positions, masks), `kernels` (CPU kernels, by the `cpu_kernels`
-option), `incremental` (decoding one token at a time), `attention_weights` (what attention sees).
+option), `incremental` (decoding one token at a time: the KV cache, the beams), `attention_weights`
+(what attention sees).
 """
 
 from __future__ import annotations
@@ -127,19 +127,15 @@ class SelfAttention(nn.Module):
         _init_linear(self.out_proj)
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
-                cache: torch.Tensor | None = None, step: int = 0, at: Positions | None = None) -> torch.Tensor:
-        """x (B, T, d) -> (B, T, d). With `cache` (2, B, h, L, hs), T must be 1: the new K/V are
-        written at position `step` and the query attends to positions 0..step (no mask needed).
-        With `at`, x and the result are the (M, d) real positions of a (B, T) batch."""
+                at: Positions | None = None) -> torch.Tensor:
+        """x (B, T, d) -> (B, T, d). With `at`, x and the result are the (M, d) real positions of a
+        (B, T) batch."""
         hd = self.heads
         qkv = self.qkv_proj(x) if at is None else at.unpack(self.qkv_proj(x))  # (B, T, 3hs'), 0 at pads
         qkv = hd.split(qkv, (hd.d_k, hd.d_k, hd.d_v))
         q, k, v = qkv  # each (B, h, T, hs)
-        if self.rotary is not None:  # Su et al. (2021): q and k rotated by their positions (step.. with a cache)
-            q, k = self.rotary(q, step), self.rotary(k, step)
-        if cache is not None:
-            cache[0, :, :, step : step + 1], cache[1, :, :, step : step + 1] = k, v  # (B, h, 1, hs) each
-            k, v = cache[0, :, :, : step + 1], cache[1, :, :, : step + 1]  # (B, h, step+1, hs)
+        if self.rotary is not None:  # Su et al. (2021): q and k rotated by their positions
+            q, k = self.rotary(q), self.rotary(k)
         y = hd.merge(_attend(q, k, v, attn_mask, is_causal, hd.scale))  # (B, T, h * d_v)
         return self.out_proj(y if at is None else at.pack(y))
 
@@ -172,19 +168,12 @@ class CrossAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, kv: torch.Tensor, attn_mask: torch.Tensor,
                 at: Positions | None = None) -> torch.Tensor:
-        """x (N, T, d) with N = B * beam, sentence-major; kv (2, B, h, S, hs); attn_mask (B, 1, 1, S).
-        With `at` (beam 1), x and the result are the (M, d) real positions of a (B, T) batch."""
+        """x (B, T, d); kv (2, B, h, S, hs) (`project_kv`); attn_mask (B, 1, 1, S) -> (B, T, d).
+        With `at`, x and the result are the (M, d) real positions of a (B, T) batch."""
         hd = self.heads
-        if at is not None:
-            q = hd.split_queries(at.unpack(self.q_proj(x)))  # (B, h, T, hs)
-            return self.out_proj(at.pack(hd.merge(_attend(q, kv[0], kv[1], attn_mask, scale=hd.scale))))
-        N, T, d = x.shape
-        B = kv.shape[1]
-        # The beams of one sentence share its memory, so they are folded into the query axis
-        # instead of copying K/V beam times: (N, T, d) -> (B, beam * T, d).
-        q = hd.split_queries(self.q_proj(x.reshape(B, (N // B) * T, d)))  # (B, h, beam*T, hs)
-        y = _attend(q, kv[0], kv[1], attn_mask, scale=hd.scale)
-        return self.out_proj(hd.merge(y)).view(N, T, d)
+        q = hd.split_queries(self.q_proj(x) if at is None else at.unpack(self.q_proj(x)))  # (B, h, T, hs)
+        y = hd.merge(_attend(q, kv[0], kv[1], attn_mask, scale=hd.scale))  # (B, T, h * d_v)
+        return self.out_proj(y if at is None else at.pack(y))
 
 
 class FeedForward(nn.Module):
@@ -255,9 +244,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cross_kv: torch.Tensor, cross_mask: torch.Tensor,
                 self_mask: torch.Tensor | None = None, is_causal: bool = False,
-                cache: torch.Tensor | None = None, step: int = 0,
-                at: Positions | None = None) -> torch.Tensor:  # (N, T, d), or (M, d) at real positions
-        x = _residual(x, lambda y: self.self_attn(y, self_mask, is_causal, cache, step, at), self.norm1,
+                at: Positions | None = None) -> torch.Tensor:  # (B, T, d), or (M, d) at real positions
+        x = _residual(x, lambda y: self.self_attn(y, self_mask, is_causal, at), self.norm1,
                       self.dropout, self.pre_norm)
         x = _residual(x, lambda y: self.cross_attn(y, cross_kv, cross_mask, at), self.norm2, self.dropout,
                       self.pre_norm)

@@ -3,6 +3,7 @@ decode step, the shared first beam-search step, the blocked top-k."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model import ModelConfig, Transformer, beam_search
@@ -56,31 +57,32 @@ def test_encode_equals_padded_layers_at_real_positions_and_is_zero_at_padding():
 
 
 @torch.no_grad()
-def test_eval_decode_step_equals_module_path_with_beams_and_shared_first_step():
-    """Eval mode runs `incremental.decoder_layer_step` on transposed weight copies; train mode (dropout 0
-    here) runs the modules. Step 0 fed one row per sentence equals feeding all k beams."""
-    model = _model(1, dropout=0.0)
+def test_shared_first_step_equals_feeding_every_beam_through_reorders():
+    """Step 0 fed one row per sentence (beam search's first step) leaves every beam's cache as
+    feeding all k beams does, and later steps and reorders agree."""
+    model = _model(1, dropout=0.0).eval()
     src, k, T = _src(), 3, 6
     memory, src_pad_mask = model.encode(src)
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(4, 23, (3 * k, T), generator=g)
     rows[:, 0] = BOS
-    fast = model.init_decoder_state(memory, src_pad_mask, beam_size=k, max_len=T)
-    model.train()
-    slow = model.init_decoder_state(memory, src_pad_mask, beam_size=k, max_len=T)
-    assert slow.layer_weights is None and fast.layer_weights is not None
-    slow_logits = model.decode_step(rows[:, 0], slow)  # (N, V), all k beams fed
-    model.eval()
-    fast_logits = model.decode_step(rows[::k, 0], fast)  # (B, V), one row per sentence
-    assert fast_logits.shape == (3, 23)
-    assert (fast_logits.repeat_interleave(k, dim=0) - slow_logits).abs().max() < 1e-5
+    shared = model.init_decoder_state(memory, src_pad_mask, beam_size=k, max_len=T)
+    every = model.init_decoder_state(memory, src_pad_mask, beam_size=k, max_len=T)
+    every_logits = model.decode_step(rows[:, 0], every)  # (N, V), all k beams fed
+    shared_logits = model.decode_step(rows[::k, 0], shared)  # (B, V), one row per sentence
+    assert shared_logits.shape == (3, 23)
+    assert (shared_logits.repeat_interleave(k, dim=0) - every_logits).abs().max() < 1e-5
     for t in range(1, T):
         perm = (torch.arange(3)[:, None] * k + torch.randint(0, k, (3, k), generator=g)).view(-1)
-        fast.reorder(perm), slow.reorder(perm)
-        model.train()
-        slow_logits = model.decode_step(rows[:, t], slow)
-        model.eval()
-        assert (model.decode_step(rows[:, t], fast) - slow_logits).abs().max() < 1e-5, t
+        shared.reorder(perm), every.reorder(perm)
+        assert (model.decode_step(rows[:, t], shared) - model.decode_step(rows[:, t], every)).abs().max() < 1e-5, t
+
+
+def test_decoding_a_model_in_train_mode_is_refused():
+    model = _model(1)
+    memory, src_pad_mask = model.eval().encode(_src())
+    with pytest.raises(ValueError, match=r"eval mode"):
+        model.train().init_decoder_state(memory, src_pad_mask, beam_size=2, max_len=4)
 
 
 def test_beam_search_shared_first_step_changes_nothing(monkeypatch):

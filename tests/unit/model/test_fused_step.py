@@ -1,5 +1,7 @@
-"""`incremental.decoder_layer_step`, the hand-fused eval-mode decoder step, against the module it
-fuses: `DecoderLayer.forward` with a cache (eval mode, d_k = d_v), step by step, beams included."""
+"""`incremental.decoder_layer_step`, the hand-fused decoder step with its KV cache and the beams folded
+into the cross-attention's queries, against the layer it fuses (`DecoderLayer.forward`, teacher-forced
+over the whole prefix, each beam a sentence of its own), and the whole incremental decoder against the
+model's forward at every value of every `ModelConfig` field."""
 
 from __future__ import annotations
 
@@ -12,33 +14,33 @@ from model.padding import key_padding_to_attn_mask
 from model.transformer import DecoderLayer
 
 
+@pytest.mark.parametrize("heads", [dict(), dict(d_k=4, d_v=12), dict(d_k=12, d_v=4)])
 @pytest.mark.parametrize("beam", [1, 3])
 @torch.no_grad()
-def test_fused_step_equals_decoder_layer_forward_with_a_cache(beam):
+def test_fused_step_equals_the_layers_forward_over_the_prefix(beam, heads):
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=11, d_model=32, d_ff=64, n_heads=4, dropout=0.3)
-    layer = DecoderLayer(cfg).eval()  # eval: no dropout, as the fused step assumes
-    B, S, steps, h, hs = 2, 5, 4, 4, 8
+    cfg = ModelConfig(vocab_size=11, d_model=32, d_ff=64, n_heads=4, dropout=0.3, **heads)
+    layer = DecoderLayer(cfg).eval()  # eval: no dropout, as decoding
+    B, S, steps, h, hs = 2, 5, 4, 4, layer.self_attn.heads.hs
     N = B * beam
     memory = torch.randn(B, S, 32)
     src_pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
     cross_kv, cross_mask = layer.cross_attn.project_kv(memory), key_padding_to_attn_mask(src_pad)
-    module_cache = torch.zeros(2, N, h, steps, hs)
-    fused_cache = torch.zeros(2, N, h, steps, hs)
+    # The reference: each of the N rows a sentence of its own, its sentence's memory copied.
+    row_kv, row_mask = cross_kv.repeat_interleave(beam, dim=1), cross_mask.repeat_interleave(beam, dim=0)
+    cache = torch.zeros(2, N, h, steps, hs)
     weights = LayerWeights.of(layer)
+    prefix = torch.randn(N, steps, 32)
     for t in range(steps):
-        x = torch.randn(N, 32)
-        want = layer(x[:, None], cross_kv, cross_mask, cache=module_cache, step=t)[:, 0]  # (N, d)
-        got = decoder_layer_step(weights, x.clone(), cross_kv, cross_mask, fused_cache, t)
+        want = layer(prefix[:, : t + 1], row_kv, row_mask, is_causal=True)[:, t]  # (N, d)
+        got = decoder_layer_step(weights, prefix[:, t].clone(), cross_kv, cross_mask, cache, t)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(fused_cache[:, :, :, : t + 1], module_cache[:, :, :, : t + 1], rtol=1e-5,
-                                   atol=1e-5)
 
 
 def test_layer_weights_are_transposed_copies_of_the_layer():
     layer = DecoderLayer(ModelConfig(vocab_size=11, d_model=16, d_ff=24, n_heads=2))
     w = LayerWeights.of(layer)
-    assert (w.n_heads, w.hs, w.eps) == (2, 8, layer.norm1.eps)
+    assert (w.heads.n_heads, w.heads.hs, w.eps) == (2, 8, layer.norm1.eps)
     assert torch.equal(w.qkv[0], layer.self_attn.qkv_proj.weight.t()) and w.qkv[0].is_contiguous()
     assert torch.equal(w.ffn1[0], layer.ffn.w1.weight.t()) and w.ffn2[0].shape == (24, 16)
     assert w.norm3[0] is layer.norm3.weight and w.cross_out[1] is layer.cross_attn.out_proj.bias
@@ -86,9 +88,9 @@ def test_every_model_field_is_a_checked_variant():
 @pytest.mark.parametrize("variant", list(_variants()))
 @torch.no_grad()
 def test_every_variant_decodes_as_it_trains(variant, beam):
-    """Search's incremental step (the fused one where `incremental.start` takes it, else the
-    modules) gives the teacher-forced forward's logits at every position, for each value of each
-    ModelConfig field: a variant that reaches one decoder path and not the other fails here."""
+    """Search's incremental step gives the teacher-forced forward's logits at every position, for
+    each value of each ModelConfig field: a variant that reaches the layers and not the fused step
+    fails here."""
     from model import Transformer
 
     cfg = ModelConfig(**{**BASE, **variant})
@@ -105,7 +107,6 @@ def test_every_variant_decodes_as_it_trains(variant, beam):
     full = model.logits(model(src, tgt_in))  # (B, T, V)
     memory, src_pad_mask = model.encode(src)
     state = model.init_decoder_state(memory, src_pad_mask, beam_size=beam, max_len=T)
-    assert (state.layer_weights is not None) == (cfg.head_dims[0] == cfg.head_dims[1])  # fused iff d_k = d_v
     for t in range(T):
         logits = model.decode_step(tgt_in[:, t].repeat_interleave(beam), state).view(B, beam, -1)
         for j in range(beam):
