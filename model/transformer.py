@@ -3,8 +3,9 @@ attention (§3.2), feed-forward (§3.3), encoder and decoder layers (§3.1), the
 The rows after 2017 are options whose defaults are the paper's model (`ModelConfig`; docs/model.md):
 rotary positions (`positional`), pre-norm (`norm_position`), RMSNorm (`norm`), SwiGLU (`ffn`).
 Sequences: source = pieces + [eos] (no bos); decoder input = [bos] + pieces; decoder target =
-pieces + [eos]; right-padded with pad_id. Shapes: B sentences, S source / T target length, M real (non-pad) positions, d = d_model, h = n_heads, d_k / d_v the
-per-head widths (Table 3 A/B), hs = max(d_k, d_v) (`model.heads`), V = vocab_size.
+pieces + [eos]; right-padded with pad_id. Shapes: B sentences, S source / T target length, M real
+(non-pad) positions, d = d_model, h = n_heads, d_k / d_v the per-head widths (Table 3 A/B),
+hs = max(d_k, d_v) (`model.heads`), V = vocab_size.
 
 Beside it: `padding` (real positions, masks), `kernels` (CPU kernels, by the `cpu_kernels`
 option), `incremental` (decoding one token at a time: the KV cache, the beams), `attention_weights`
