@@ -1,7 +1,7 @@
 """What the loop does after a step, decided in one place from the step's agreement.
 
 `decide` is a pure function of the agreed row (`pipeline.train.agreement.Agreed`), the step, the
-interval rules (`pipeline.train.checkpoint.Cadence`) and the early-stop verdict; it returns the
+interval rules (`Cadence`, below) and the early-stop verdict; it returns the
 `Action`s the loop then carries out in this order:
 
     LOG                  the agreement holds the window's loss sums (a log step)
@@ -19,11 +19,12 @@ Every rank reads the same agreement at the same step, so every rank gets the sam
 
 from __future__ import annotations
 
+import time
 from enum import Enum
 
+from pipeline.config import CheckpointSection, MetricsSection
 from pipeline.train import preemption
 from pipeline.train.agreement import Agreed
-from pipeline.train.checkpoint import Cadence
 
 
 class Action(Enum):
@@ -33,6 +34,39 @@ class Action(Enum):
     STOP_PREEMPTED_AFTER_CHECKPOINT = "stop_preempted_after_checkpoint"  # a synchronous checkpoint, then stop
     STOP_PREEMPTED = "stop_preempted"  # stop without a checkpoint: it does not fit in the grace left
     CHECKPOINT = "checkpoint"
+
+
+class Cadence:
+    """The interval rules of one worker; `checkpointed()` restarts the checkpoint clock."""
+
+    def __init__(self, max_steps: int, metrics: MetricsSection, checkpoint: CheckpointSection, validates: bool):
+        self.max_steps, self.metrics, self.checkpoint, self.validates = max_steps, metrics, checkpoint, validates
+        self.last_checkpoint_t = time.monotonic()
+
+    def _every(self, step: int, interval: int) -> bool:
+        return step % interval == 0 or step == self.max_steps
+
+    def logs(self, step: int) -> bool:
+        return self._every(step, self.metrics.log_interval_steps)
+
+    def validates_at(self, step: int) -> bool:
+        return self.validates and self._every(step, self.metrics.val_loss_interval_steps)
+
+    def syncs(self, step: int) -> bool:
+        """Whether the ranks wait for this step's agreement: it logs or validates."""
+        return self.logs(step) or self.validates_at(step)
+
+    def interval_due(self, step: int) -> bool:
+        """A checkpoint by `checkpoint.interval_steps` (or the last step)."""
+        return self._every(step, self.checkpoint.interval_steps)
+
+    def time_due(self, step: int) -> bool:
+        """This worker's clock says a checkpoint by `checkpoint.interval_s` (asked on log steps)."""
+        return (self.checkpoint.interval_s > 0 and self.logs(step)
+                and time.monotonic() - self.last_checkpoint_t >= self.checkpoint.interval_s)
+
+    def checkpointed(self) -> None:
+        self.last_checkpoint_t = time.monotonic()
 
 
 def decide(agreed: Agreed | None, step: int, cadence: Cadence, early_stop: bool) -> list[Action]:

@@ -13,7 +13,7 @@
 Ray Train uploads the folder and registers it only after `ray.train.report` returns; a folder a
 crash leaves half-uploaded is never registered, so never restored nor listed in the outputs.
 
-`Cadence` says which steps log, validate and checkpoint; `Checkpointer` writes and restores.
+`Checkpointer` writes and restores (which steps checkpoint: `pipeline.train.actions.Cadence`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipeline.config import CheckpointSection, MetricsSection
+from pipeline.config import CheckpointSection
 
 log = logging.getLogger(__name__)
 
@@ -155,39 +155,6 @@ def report(session: Any, step: int, metrics: dict[str, Any], upload_async: bool,
 # rank 0's clock decides, and its wish travels in the step's agreement (`pipeline.train.agreement`).
 # It is asked on log steps only (whose agreement every rank waits for anyway), so a time-based
 # checkpoint comes at most `metrics.log_interval_steps` late.
-
-
-class Cadence:
-    """The interval rules of one worker; `checkpointed()` restarts the checkpoint clock."""
-
-    def __init__(self, max_steps: int, metrics: MetricsSection, checkpoint: CheckpointSection, validates: bool):
-        self.max_steps, self.metrics, self.checkpoint, self.validates = max_steps, metrics, checkpoint, validates
-        self.last_checkpoint_t = time.monotonic()
-
-    def _every(self, step: int, interval: int) -> bool:
-        return step % interval == 0 or step == self.max_steps
-
-    def logs(self, step: int) -> bool:
-        return self._every(step, self.metrics.log_interval_steps)
-
-    def validates_at(self, step: int) -> bool:
-        return self.validates and self._every(step, self.metrics.val_loss_interval_steps)
-
-    def syncs(self, step: int) -> bool:
-        """Whether the ranks wait for this step's agreement: it logs or validates."""
-        return self.logs(step) or self.validates_at(step)
-
-    def interval_due(self, step: int) -> bool:
-        """A checkpoint by `checkpoint.interval_steps` (or the last step)."""
-        return self._every(step, self.checkpoint.interval_steps)
-
-    def time_due(self, step: int) -> bool:
-        """This worker's clock says a checkpoint by `checkpoint.interval_s` (asked on log steps)."""
-        return (self.checkpoint.interval_s > 0 and self.logs(step)
-                and time.monotonic() - self.last_checkpoint_t >= self.checkpoint.interval_s)
-
-    def checkpointed(self) -> None:
-        self.last_checkpoint_t = time.monotonic()
 
 
 class Checkpointer:

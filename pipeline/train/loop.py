@@ -19,10 +19,10 @@ the actions the loop carries out in order (`carry_out`). Each of its parts is a 
     pipeline.train.metrics     the window since the last log line, the progress line, MLflow
     pipeline.train.dev_loss    dev loss and perplexity (DevLoss)
     pipeline.train.agreement   what the ranks share after a step, in one collective (StepAgreement)
-    pipeline.train.actions     what a step's agreement decides: log, dev loss, early stop, stop for
-                               a preemption notice, checkpoint (decide, Action)
-    pipeline.train.checkpoint  which steps log, validate, checkpoint (Cadence); the checkpoint
-                               folder, restored, written and reported (Checkpointer)
+    pipeline.train.actions     which steps log, validate, checkpoint (Cadence), and what a step's
+                               agreement decides: log, dev loss, early stop, stop for a preemption
+                               notice, checkpoint (decide, Action)
+    pipeline.train.checkpoint  the checkpoint folder, restored, written and reported (Checkpointer)
     pipeline.train.early_stop  the EarlyStop rule (train.early_stop_patience) and the loop's
                                EarlyStopDecision, rebuilt at a resume
     pipeline.train.session     Ray Train or the test process (and wrappers around them)
@@ -45,9 +45,9 @@ from pipeline.config import from_dict as config_from_dict
 from pipeline.config.devices import on_for
 from pipeline.tracking import spool_dir_for  # imports no MLflow (it loads lazily)
 from pipeline.train import elastic, preemption
-from pipeline.train.actions import Action, decide
+from pipeline.train.actions import Action, Cadence, decide
 from pipeline.train.agreement import Agreed, Local, StepAgreement
-from pipeline.train.checkpoint import Cadence, Checkpointer, Progress
+from pipeline.train.checkpoint import Checkpointer, Progress
 from pipeline.train.corpus import load_corpus, load_shared_corpus
 from pipeline.train.dev_loss import DevLoss
 from pipeline.train.device import WorkerDevice

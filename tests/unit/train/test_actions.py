@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from pipeline.config import CheckpointSection, MetricsSection
-from pipeline.train.actions import Action, decide
+from pipeline.train.actions import Action, Cadence, decide
 from pipeline.train.agreement import NO_NOTICE, Agreed
-from pipeline.train.checkpoint import Cadence
 from pipeline.train.loop import LoopState, StepResult
 
 LOG, DEV, EARLY, CKPT = Action.LOG, Action.DEV_LOSS, Action.EARLY_STOP, Action.CHECKPOINT
