@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .heads import Heads, pad_heads
+from .heads import Heads
 from .kernels import add_into
 from .padding import Positions, key_padding_to_attn_mask
 
@@ -93,19 +93,18 @@ def _self_attention(w: LayerWeights, x: torch.Tensor, cache: torch.Tensor, step:
     hd = w.heads
     N, h, hs = x.shape[0], hd.n_heads, hd.hs
     qkv = torch.addmm(w.qkv[1], x, w.qkv[0])  # (N, h * (2 d_k + d_v))
-    if hd.uniform:
+    if hd.uniform:  # one view, no copy (a step's rows are few: Python's overhead counts)
         qkv = qkv.view(N, 3, h, hs)
         q, kv = qkv[:, 0, :, None], qkv[:, 1:].transpose(0, 1)  # (N, h, 1, hs), (2, N, h, hs)
-    else:  # Table 3 rows A/B: each head's q, k, v zero-padded to hs (`model.heads`)
-        q, k, v = (pad_heads(p.view(N, h, width), hs) for p, width in
-                   zip(qkv.split([h * hd.d_k, h * hd.d_k, h * hd.d_v], dim=-1), (hd.d_k, hd.d_k, hd.d_v)))
-        q, kv = q[:, :, None], torch.stack((k, v))
+    else:  # Table 3 rows A/B: each head's q, k, v zero-padded to hs
+        qkv = hd.split(qkv[:, None], (hd.d_k, hd.d_k, hd.d_v))  # (3, N, h, 1, hs)
+        q, kv = qkv[0], qkv[1:, :, :, 0]
     if w.rotary is not None:  # Su et al. (2021): the new query and key rotated by their position
         q, kv = w.rotary(q, step), torch.stack((w.rotary(kv[0, :, :, None], step)[:, :, 0], kv[1]))
     cache[:, :, :, step] = kv  # this position's K and V, one copy
     y = F.scaled_dot_product_attention(q, cache[0, :, :, : step + 1], cache[1, :, :, : step + 1],
                                        scale=hd.scale)  # (N, h, 1, hs)
-    return torch.addmm(w.self_out[1], _merge(hd, y[:, :, 0]), w.self_out[0])
+    return torch.addmm(w.self_out[1], hd.merge(y).view(N, -1), w.self_out[0])
 
 
 def _cross_attention(w: LayerWeights, x: torch.Tensor, cross_kv: torch.Tensor, cross_mask: torch.Tensor
@@ -113,16 +112,10 @@ def _cross_attention(w: LayerWeights, x: torch.Tensor, cross_kv: torch.Tensor, c
     """The beams of a sentence share its memory: they are its queries (B, h, beam, hs), so the
     cross K/V are stored once per sentence, never copied beam times."""
     hd = w.heads
-    N, B, h = x.shape[0], cross_kv.shape[1], hd.n_heads
-    q = torch.addmm(w.cross_q[1], x, w.cross_q[0]).view(B, N // B, h, hd.d_k).transpose(1, 2)
-    y = F.scaled_dot_product_attention(pad_heads(q, hd.hs), cross_kv[0], cross_kv[1], attn_mask=cross_mask,
-                                       scale=hd.scale)  # (B, h, beam, hs)
-    return torch.addmm(w.cross_out[1], _merge(hd, y.transpose(1, 2).reshape(N, h, hd.hs)), w.cross_out[0])
-
-
-def _merge(hd: Heads, y: torch.Tensor) -> torch.Tensor:
-    """(N, h, hs) -> (N, h * d_v), the padded value columns dropped."""
-    return (y if hd.d_v == hd.hs else y[..., : hd.d_v]).reshape(y.shape[0], -1)
+    N, B = x.shape[0], cross_kv.shape[1]
+    q = hd.split_queries(torch.addmm(w.cross_q[1], x, w.cross_q[0]).view(B, N // B, -1))  # (B, h, beam, hs)
+    y = F.scaled_dot_product_attention(q, cross_kv[0], cross_kv[1], attn_mask=cross_mask, scale=hd.scale)
+    return torch.addmm(w.cross_out[1], hd.merge(y).reshape(N, -1), w.cross_out[0])  # merge: (B, beam, h * d_v)
 
 
 def _ffn(w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
