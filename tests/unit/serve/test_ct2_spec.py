@@ -69,7 +69,9 @@ def test_ctranslate2_scores_and_greedy_outputs_are_ours(variant, tmp_path):
         target = hyp + [model.cfg.eos_id]
         logits = model.logits(model(torch.tensor([src]), torch.tensor([[model.cfg.bos_id] + hyp])))[0]
         want = torch.log_softmax(logits, -1)[torch.arange(len(target)), target]
-        torch.testing.assert_close(torch.tensor(scored.log_probs), want, rtol=0, atol=1e-4)
+        # 1e-3: measured worst 2.0e-4 (the SwiGLU model; every other variant under 2e-5), over CTranslate2's
+        # AVX2 and AVX512 kernels and ATen's (an AVX512-BF16 machine); a swapped gate is off by 5-10.
+        torch.testing.assert_close(torch.tensor(scored.log_probs), want, rtol=0, atol=1e-3)
     # min_decoding_length=0: CTranslate2 bans eos at the first step by default, our search does not.
     theirs = tr.translate_batch([_pieces(s) for s in sources], beam_size=1, max_decoding_length=MAX_LEN,
                                 min_decoding_length=0, max_input_length=0, suppress_sequences=[["<pad>"], ["<s>"]])
