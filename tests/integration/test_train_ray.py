@@ -224,10 +224,12 @@ def test_killed_driver_resumes_from_its_checkpoint(ray_local, shards, baseline, 
 
 
 def test_sigterm_to_a_worker_checkpoints_that_step_and_the_run_resumes_there(ray_local, shards, baseline,
-                                                                             tmp_path):
+                                                                             tmp_path, monkeypatch):
     """A preemption notice (SIGTERM) to one worker process between checkpoints 10 and 20: the group
     checkpoints at the next agreed step boundary (the signal's step + 1 on two workers), stops, and
-    Ray Train's restart resumes there; the result is the uninterrupted run's."""
+    Ray Train's restart resumes there; the result is the uninterrupted run's. The workers wait before
+    step 13 until the notice is sent (tests/support/faults.py:gate), so a slow or busy machine never
+    lets the run pass step 20 before it."""
     import re
     import threading
 
@@ -236,18 +238,26 @@ def test_sigterm_to_a_worker_checkpoints_that_step_and_the_run_resumes_there(ray
     cfg = make_config(tmp_path)
     ctx = make_context(cfg, "preempted", shards)
     run_dir = Path(train.storage_path_for(cfg)) / ctx.key
+    gate = tmp_path / "gate"
+    faults.set_gate(gate, 12)
+    for name, value in faults.gate_env(gate).items():
+        monkeypatch.setenv(name, value)
     sent: dict = {}
 
     def preempt() -> None:
-        deadline = time.monotonic() + 240
-        while not (run_dir / "checkpoint_0000010").exists():
-            if time.monotonic() > deadline:
-                sent["error"] = f"no {run_dir}/checkpoint_0000010 within 240 s: no SIGTERM sent"
-                return
-            time.sleep(0.02)
-        workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")], detail=True)
-        sent["pid"] = workers[-1].pid
-        os.kill(sent["pid"], signal.SIGTERM)
+        try:
+            deadline = time.monotonic() + 240
+            while not (run_dir / "checkpoint_0000010").exists():
+                if time.monotonic() > deadline:
+                    sent["error"] = f"no {run_dir}/checkpoint_0000010 within 240 s: no SIGTERM sent"
+                    return
+                time.sleep(0.02)
+            workers = list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")],
+                                  detail=True)
+            sent["pid"] = workers[-1].pid
+            os.kill(sent["pid"], signal.SIGTERM)
+        finally:
+            faults.set_gate(gate, 30)
 
     watcher = threading.Thread(target=preempt, daemon=True)
     watcher.start()
