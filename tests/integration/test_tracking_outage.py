@@ -2,10 +2,13 @@
 when training ends before the server is back, the points it could not take are spooled and
 delivered once it is (what the train stage's driver does): the whole curve, each step once.
 
-The loop runs in-process (`LocalSession`, no Ray) against the suite's MLflow server
-(tests/support/mlflow_server.py). MLflow's HTTP retries are shortened (the env vars MLflow reads
-per request) so that the outage outlasts them, as a real one of minutes outlasts the defaults.
-Step times are read from the server afterwards: each point's timestamp is when the loop logged it.
+The loop runs in-process (`LocalSession`, no Ray) and tracks to the suite's MLflow server
+(`mlflow_uri`) through a proxy (tests/support/flaky_proxy.py) that the test switches to refuse:
+from the loop's side the server is gone (every open connection reset, every new one refused after
+connecting; MLflow's client retries both alike), while the test reads the server directly. MLflow's
+HTTP retries are shortened (the env vars MLflow reads per request) so that the outage outlasts them,
+as a real one of minutes outlasts the defaults. Step times are read from the server afterwards:
+each point's timestamp is when the loop logged it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 from model import ModelConfig
 from pipeline.config import Config
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer
-from tests.support.mlflow_server import MlflowServer
+from tests.support.flaky_proxy import FlakyProxy
 from tests.support.synthetic import write_reverse_task
 
 # The bound on each test (pytest-timeout): an outage of 12 s, a trainer joined within 120 s, the tracking buffer's close.
@@ -44,16 +47,17 @@ def spec_for(shards: Path, uri: str, run_id: str, max_steps: int, work_dir: Path
                     tracking_uri=uri, run_id=run_id)
 
 
-def start_training(tmp_path: Path, server: MlflowServer, experiment: str):
-    """A run on the server and a trainer (max_steps open-ended) in a thread, past step 40:
-    (client, run_id, trainer, worker thread, the dict its result lands in)."""
+def start_training(tmp_path: Path, uri: str, proxy: FlakyProxy, experiment: str):
+    """A run on the server at `uri` and a trainer (max_steps open-ended) tracking to it through
+    `proxy`, in a thread, past step 40: (client, run_id, trainer, worker thread, the dict its result
+    lands in)."""
     from mlflow import MlflowClient
 
     torch.set_num_threads(1)
     shards = write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0)
-    client = MlflowClient(server.uri)
+    client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment(experiment)).info.run_id
-    trainer = Trainer(spec_for(shards, server.uri, run_id, max_steps=10**6, work_dir=tmp_path / "work"),
+    trainer = Trainer(spec_for(shards, proxy.endpoint, run_id, max_steps=10**6, work_dir=tmp_path / "work"),
                       LocalSession(tmp_path / "ck"))
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(trainer.run()), daemon=True)
@@ -80,15 +84,19 @@ def _fail_fast_mlflow(monkeypatch) -> None:
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
 
 
-def test_a_tracking_outage_costs_no_training_time(tmp_path, monkeypatch):
+def server_proxy(uri: str) -> FlakyProxy:
+    return FlakyProxy(int(uri.rsplit(":", 1)[1]))
+
+
+def test_a_tracking_outage_costs_no_training_time(tmp_path, monkeypatch, mlflow_uri):
     _fail_fast_mlflow(monkeypatch)
-    server = MlflowServer(tmp_path / "mlflow")
+    proxy = server_proxy(mlflow_uri)
     try:
-        client, run_id, trainer, worker, result = start_training(tmp_path, server, "outage")
-        server.stop(timeout_s=0)
+        client, run_id, trainer, worker, result = start_training(tmp_path, mlflow_uri, proxy, "outage")
+        proxy.mode = "refuse"  # the server is gone, from the loop's side
         down_at = trainer.progress.step
         time.sleep(OUTAGE_S)
-        server.start()  # same port, same store
+        proxy.mode = "pass"  # and back
         back_at = trainer.progress.step
         time.sleep(2.0)
         now = trainer.progress.step
@@ -110,7 +118,7 @@ def test_a_tracking_outage_costs_no_training_time(tmp_path, monkeypatch):
         print(f"OUTAGE steps {down_at}->{back_at} max gap {during.max():.3f} s usual {usual:.3f} s")
         assert during.max() < 5 * usual + 1.0, (during.max(), usual)
     finally:
-        server.stop()
+        proxy.close()
 
 
 def wait_for_step(trainer: Trainer, worker: threading.Thread, step: int, timeout_s: float = 120) -> None:
@@ -122,7 +130,7 @@ def wait_for_step(trainer: Trainer, worker: threading.Thread, step: int, timeout
         time.sleep(0.05)
 
 
-def test_training_that_ends_during_an_outage_loses_no_point(tmp_path, monkeypatch):
+def test_training_that_ends_during_an_outage_loses_no_point(tmp_path, monkeypatch, mlflow_uri):
     """The server goes away at step ~40 and training ends 20 steps later, still in the outage: the
     logger waits its close timeout (shortened here), spools what it holds beside the checkpoints,
     and once the server is back the driver's `deliver_spool` (the train stage calls it after the
@@ -131,10 +139,10 @@ def test_training_that_ends_during_an_outage_loses_no_point(tmp_path, monkeypatc
 
     _fail_fast_mlflow(monkeypatch)
     monkeypatch.setattr(BufferedRunLogger.close, "__defaults__", (8.0,))  # the loop's close waits 60 s
-    server = MlflowServer(tmp_path / "mlflow")
+    proxy = server_proxy(mlflow_uri)
     try:
-        client, run_id, trainer, worker, result = start_training(tmp_path, server, "outage-at-end")
-        server.stop(timeout_s=0)
+        client, run_id, trainer, worker, result = start_training(tmp_path, mlflow_uri, proxy, "outage-at-end")
+        proxy.mode = "refuse"
         now = trainer.progress.step
         end = now + 20 + now % 2
         trainer.tc.max_steps = end  # training ends at a known (even) step while the server is away
@@ -146,14 +154,14 @@ def test_training_that_ends_during_an_outage_loses_no_point(tmp_path, monkeypatc
         _, points, _ = MetricSpool(spool_dir, run_id).read()
         assert points, f"nothing spooled in {spool_dir} although the server was away at the end"
         assert max(p[1] for p in points) == end, "the last window (logged during the outage) is spooled"
-        server.start()  # same port, same store
-        assert deliver_spool(spool_dir, server.uri, run_id, timeout_s=60) == len(points)
+        proxy.mode = "pass"
+        assert deliver_spool(spool_dir, proxy.endpoint, run_id, timeout_s=60) == len(points)
 
         assert_whole_curve(client, run_id, trainer, end)
         assert not MetricSpool(spool_dir, run_id).files(), "delivered spool files are removed"
-        assert deliver_spool(spool_dir, server.uri, run_id) == 0
+        assert deliver_spool(spool_dir, proxy.endpoint, run_id) == 0
     finally:
-        server.stop()
+        proxy.close()
 
 
 def test_driver_calls_to_a_silent_server_fail_in_bounded_time():
