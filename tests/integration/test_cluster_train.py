@@ -60,7 +60,6 @@ print("RESULT " + json.dumps({
     "outputs": result.outputs,
     "worker_nodes": sorted(sum((nodes.get(a.node_id, []) for a in workers), [])),
     "num_workers_started": len(workers),
-    "session_dir": ray._private.worker._global_node.get_session_dir_path(),
 }))
 """ % {"vocab": VOCAB}
 
@@ -119,7 +118,7 @@ def test_two_node_training_survives_losing_a_node(s3, tmp_path, monkeypatch):
 
     # The new workers started from the checkpoint registered before the kill (or a later one), not
     # from step 0: what was lost is the work since that checkpoint, less than one interval.
-    logs = "\n".join(p.read_text(errors="replace") for p in Path(result["session_dir"], "logs").rglob("*")
+    logs = "\n".join(p.read_text(errors="replace") for p in head.logs.rglob("*")  # the head is stopped
                      if p.is_file() and p.name.startswith(("worker-", "ray-train-app-worker")))
     resumed = [int(s) for s in re.findall(r"resumed from checkpoint at step (\d+)", logs)]
     assert resumed and min(resumed) >= before_kill, (resumed, before_kill)

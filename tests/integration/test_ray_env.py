@@ -38,3 +38,5 @@ def test_state_api_finds_our_actor_with_another_ray_on_the_machine(ray_local, tm
         assert other.address.rsplit(":", 1)[1] != address.rsplit(":", 1)[1]
     finally:
         other.stop()
+    # The stopped head leaves nothing in /tmp; its logs are in the test's folder.
+    assert not other.temp_dir.exists() and (other.logs / "gcs_server.out").is_file()

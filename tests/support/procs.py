@@ -8,6 +8,7 @@ on the machine, other tests' included).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -103,7 +104,8 @@ class RayHead:
         # Its own Ray temp dir (short: socket paths have a ~107-byte limit): `ray start` records the
         # cluster's address in <temp dir>/ray_current_cluster, and a plain `ray.init()` anywhere on the
         # machine joins the cluster named in /tmp/ray/ray_current_cluster, or hangs on it once the
-        # cluster is stopped. Session logs are under `self.temp_dir/session_latest/logs`.
+        # cluster is stopped. Session logs are under `self.temp_dir/session_latest/logs` while the head
+        # runs, and under `self.logs` once it is stopped.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
         cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                f"--temp-dir={self.temp_dir}",
@@ -125,8 +127,20 @@ class RayHead:
             cmd.append(f"--resources={resources}")
         return start(cmd, self.tmp / f"ray-{name}.log", env={"RAY_USAGE_STATS_ENABLED": "0"})
 
+    @property
+    def logs(self) -> Path:
+        """The session's logs once the head is stopped: in the test's own folder, which pytest keeps
+        for its last few runs."""
+        return self.tmp / "ray-logs"
+
     def stop(self) -> None:
+        """SIGKILL the head's session, move its logs to `self.logs` and remove its temp dir (~3.5 MB a
+        head, which would otherwise stay in /tmp after every run)."""
         stop(self.proc, timeout_s=0)
+        session = self.temp_dir / "session_latest" / "logs"
+        if session.is_dir():
+            shutil.copytree(session, self.logs, dirs_exist_ok=True)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def wait_for(what: str, cond, driver: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
