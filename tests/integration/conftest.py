@@ -22,9 +22,9 @@ def tiny_export(tiny_model, tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def mlflow_uri(tmp_path_factory) -> Iterator[str]:
     """One MLflow tracking server (SQLite store, served artifacts) for the session's tests that
-    track to a server and never stop it (the cluster job, the elastic run, the registry); tests of
-    an outage start their own (tests/support/mlflow_server.py). Each test uses its own experiment or
-    run names, so they never read each other's runs."""
+    track to a server (the cluster job, the elastic run, the registry, the tracking outages, which
+    reach it through a proxy they switch off: tests/support/flaky_proxy.py). Each test uses its own
+    experiment or run names, so they never read each other's runs."""
     from tests.support.mlflow_server import mlflow_server
 
     with mlflow_server(tmp_path_factory.mktemp("mlflow")) as uri:

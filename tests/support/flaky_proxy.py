@@ -76,9 +76,16 @@ class FlakyProxy:
             except OSError:
                 _reset(client)
                 continue
-            with self._lock:
-                self._open.update((client, upstream))
-            limit = self.drop_after if self._mode == "drop" else None
+            with self._lock:  # the mode again, under the lock the setter cuts under: a switch in between
+                mode = self._mode  # would otherwise leave this connection passing through the outage
+                if mode != "refuse":
+                    self._open.update((client, upstream))
+            if mode == "refuse":
+                self.resets += 1
+                _reset(client)
+                _reset(upstream)
+                continue
+            limit = self.drop_after if mode == "drop" else None
             threading.Thread(target=self._pump, args=(client, upstream, limit), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
 
