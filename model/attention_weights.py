@@ -3,45 +3,27 @@ every layer and head, for one sentence pair, as the paper draws them (Figures 3-
 queries, keys and values they came from.
 
 The model's forward pass never materializes these weights (it calls
-``F.scaled_dot_product_attention``, which returns only the weighted values). Every attention call
-of the model first hands its queries, keys, values, mask and scale to `observe`; within
-`recording_attention` (thread-local) they go to a callback. ``record_attention`` runs one
-teacher-forced forward pass of a sentence pair and keeps each call (`AttentionCall`);
-``attention_weights`` computes every call's weights from it. The pass's own outputs are unchanged.
-One sentence at a time, so no padding enters any row. Torch only.
+``F.scaled_dot_product_attention``, which returns only the weighted values). ``record_attention``
+hooks each `ScaledDotProductAttention` module of the model, from outside (the layers know nothing
+of it; once per model, and the hooks stay), runs one teacher-forced forward pass of a sentence pair
+and keeps the queries, keys, values, mask and scale of each call (`AttentionCall`), in this thread
+only; ``attention_weights`` computes every call's weights from them. The pass's own outputs are
+unchanged. One sentence at a time, so no padding enters any row. Torch only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
+from .transformer import ScaledDotProductAttention
+
 KINDS = ("encoder_self", "decoder_self", "cross")
 
-_RECORDER = threading.local()  # this thread's `recording_attention` callback, if any
-
-
-@contextlib.contextmanager
-def recording_attention(record: Callable[..., None]) -> Iterator[None]:
-    """Within it, every attention call of this thread first calls record(q, k, v, attn_mask,
-    is_causal, scale). Thread-local: a server decoding other requests with the same model in
-    other threads is neither seen nor disturbed."""
-    _RECORDER.record = record
-    try:
-        yield
-    finally:
-        _RECORDER.record = None
-
-
-def observe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
-            scale: float | None) -> None:
-    """Called by the model's attention before it attends: passes the call to this thread's
-    `recording_attention` callback, if any (never while torch.compile traces)."""
-    if not torch.compiler.is_compiling() and getattr(_RECORDER, "record", None) is not None:
-        _RECORDER.record(q, k, v, attn_mask, is_causal, scale)
+_RECORDING = threading.local()  # .calls: the list this thread's `record_attention` fills, if any
+_HOOKING = threading.Lock()
 
 
 class AttentionCall(NamedTuple):
@@ -82,6 +64,24 @@ class AttentionCall(NamedTuple):
         return scores.masked_fill(~self.allowed(), float("-inf")).softmax(-1)
 
 
+def _keep_call(module: ScaledDotProductAttention, args: tuple) -> None:
+    """The forward pre-hook: the call's (q, k, v, attn_mask, is_causal, scale), all positional, into
+    this thread's recording, if there is one (never while torch.compile traces)."""
+    calls = getattr(_RECORDING, "calls", None)
+    if calls is not None and not torch.compiler.is_compiling():
+        calls.append(AttentionCall(*args))
+
+
+def _hook(model: torch.nn.Module) -> None:
+    """Hook every attention of `model` that is not hooked yet (a copy of a hooked model is). A hook
+    is one insert into the module's hook dict, which torch reads in one step, so other threads
+    running the model meanwhile are safe."""
+    with _HOOKING:
+        for module in model.modules():
+            if isinstance(module, ScaledDotProductAttention) and _keep_call not in module._forward_pre_hooks.values():
+                module.register_forward_pre_hook(_keep_call)
+
+
 @torch.no_grad()
 def record_attention(model: torch.nn.Module, src_ids: Sequence[int], tgt_in_ids: Sequence[int]
                      ) -> dict[str, list[AttentionCall]]:
@@ -90,20 +90,18 @@ def record_attention(model: torch.nn.Module, src_ids: Sequence[int], tgt_in_ids:
     {"encoder_self": [L_enc], "decoder_self": [L_dec], "cross": [L_dec]}, each of batch 1.
 
     The pass calls attention in a fixed order (every encoder layer's, then each decoder layer's
-    self- and cross-attention), recorded for this thread only (`recording_attention`): a server
-    may decode other requests with the same model meanwhile."""
+    self- and cross-attention), recorded for this thread only: a server may decode other requests
+    with the same model meanwhile."""
+    _hook(model)
     calls: list[AttentionCall] = []
-
-    def record(q, k, v, attn_mask, is_causal, scale):
-        calls.append(AttentionCall(q, k, v, attn_mask, is_causal, scale))
-
     was_training = model.training  # no dropout in the pass (a served model is in eval mode already)
     model.eval()
     device = next(model.parameters()).device
+    _RECORDING.calls = calls
     try:
-        with recording_attention(record):
-            model(torch.tensor([list(src_ids)], device=device), torch.tensor([list(tgt_in_ids)], device=device))
+        model(torch.tensor([list(src_ids)], device=device), torch.tensor([list(tgt_in_ids)], device=device))
     finally:
+        _RECORDING.calls = None
         model.train(was_training)
     n_enc, n_dec = len(model.encoder_layers), len(model.decoder_layers)
     if len(calls) != n_enc + 2 * n_dec:

@@ -9,7 +9,7 @@ hs = max(d_k, d_v) (`model.heads`), V = vocab_size.
 
 Beside it: `padding` (real positions, masks), `kernels` (CPU kernels, by the `cpu_kernels`
 option), `incremental` (decoding one token at a time: the KV cache, the beams), `attention_weights`
-(what attention sees).
+(what attention sees, recorded by hooking `ScaledDotProductAttention` from outside).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import incremental
-from .attention_weights import observe
 from .config import ModelConfig
 from .heads import Heads
 from .kernels import Dropout, add_into, sdpa
@@ -71,11 +70,14 @@ def _init_linear(linear: nn.Linear, blocks: int | list[int] = 1) -> None:
     nn.init.zeros_(linear.bias)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-            is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
-    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (§3.2.1), all heads at once (SDPA)."""
-    observe(q, k, v, attn_mask, is_causal, scale)
-    return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+class ScaledDotProductAttention(nn.Module):
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (§3.2.1), all heads at once (SDPA). Nothing
+    to learn; a module of its own so that what it attends to can be read from outside
+    (`attention_weights.record_attention` hooks it). Called with every argument positional."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                is_causal: bool, scale: float | None) -> torch.Tensor:
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
 
 def _add_dropped(x: torch.Tensor, y: torch.Tensor, dropout: nn.Dropout) -> torch.Tensor:
@@ -119,6 +121,7 @@ class SelfAttention(nn.Module):
         dk, dv = self.heads.d_k, self.heads.d_v
         self.qkv_proj = nn.Linear(d_model, n_heads * (2 * dk + dv))  # rows: [W_Q; W_K; W_V], all heads
         self.out_proj = nn.Linear(n_heads * dv, d_model)  # W_O
+        self.attention = ScaledDotProductAttention()
         # Rotary positions (ModelConfig.positional = "rotary") rotate q and k at up to this many positions.
         self.rotary = Rotary(dk, self.heads.hs, rotary_positions) if rotary_positions else None
 
@@ -137,7 +140,7 @@ class SelfAttention(nn.Module):
         q, k, v = qkv  # each (B, h, T, hs)
         if self.rotary is not None:  # Su et al. (2021): q and k rotated by their positions
             q, k = self.rotary(q), self.rotary(k)
-        y = hd.merge(_attend(q, k, v, attn_mask, is_causal, hd.scale))  # (B, T, h * d_v)
+        y = hd.merge(self.attention(q, k, v, attn_mask, is_causal, hd.scale))  # (B, T, h * d_v)
         return self.out_proj(y if at is None else at.pack(y))
 
 
@@ -155,6 +158,7 @@ class CrossAttention(nn.Module):
         self.q_proj = nn.Linear(d_model, n_heads * dk)
         self.kv_proj = nn.Linear(d_model, n_heads * (dk + dv))  # rows: [W_K; W_V]
         self.out_proj = nn.Linear(n_heads * dv, d_model)
+        self.attention = ScaledDotProductAttention()
 
     def reset_parameters(self) -> None:
         h, dk, dv = self.n_heads, self.heads.d_k, self.heads.d_v
@@ -173,7 +177,7 @@ class CrossAttention(nn.Module):
         With `at`, x and the result are the (M, d) real positions of a (B, T) batch."""
         hd = self.heads
         q = hd.split_queries(self.q_proj(x) if at is None else at.unpack(self.q_proj(x)))  # (B, h, T, hs)
-        y = hd.merge(_attend(q, kv[0], kv[1], attn_mask, scale=hd.scale))  # (B, T, h * d_v)
+        y = hd.merge(self.attention(q, kv[0], kv[1], attn_mask, False, hd.scale))  # (B, T, h * d_v)
         return self.out_proj(y if at is None else at.pack(y))
 
 

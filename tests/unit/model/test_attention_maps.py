@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from model import ModelConfig, Transformer
 from model.attention_weights import attention_weights
+from model.transformer import ScaledDotProductAttention
 
 CFG = dict(vocab_size=50, d_model=32, d_ff=64, n_heads=4, n_encoder_layers=2, n_decoder_layers=3, dropout=0.1,
            max_positions=64)
@@ -102,3 +103,16 @@ def test_other_threads_using_the_model_meanwhile_change_nothing():
         stop.set()
         for t in threads:
             t.join()
+
+
+def test_the_model_carries_no_hook_until_recorded_and_then_one_per_attention():
+    """Training runs a model nobody records: its attentions carry no hook. `attention_weights` hooks
+    each attention from outside, once, however often it records."""
+    model = _model()
+    attentions = [m for m in model.modules() if isinstance(m, ScaledDotProductAttention)]
+    assert len(attentions) == 2 + 2 * 3 and not any(m._forward_pre_hooks for m in attentions)
+    first = attention_weights(model, [5, 9, 3], [2, 8])
+    again = attention_weights(model, [5, 9, 3], [2, 8])
+    assert [len(m._forward_pre_hooks) for m in attentions] == [1] * 8
+    for kind in first:
+        torch.testing.assert_close(again[kind], first[kind], rtol=0, atol=0)
