@@ -110,6 +110,7 @@ def main() -> None:
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--train", action="store_true", help="time a training step instead of beam search")
     args = p.parse_args()
+    what = "loss and gradients (bits)" if args.train else "hypotheses"
     with tempfile.TemporaryDirectory(prefix="decode-ab-") as tmp:
         before = Path(tmp) / "before"
         subprocess.run(["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(before), args.before],
@@ -122,12 +123,10 @@ def main() -> None:
                     seconds, digest = run(tree, args)
                     times[name].append(seconds)
                     digests[name].add(digest)
-                    print(f"{name:6s} {seconds:.4f} s  {'loss and gradients' if args.train else 'hypotheses'} "
-                          f"{digest}", flush=True)
+                    print(f"{name:6s} {seconds:.4f} s  {what} {digest}", flush=True)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(before)], check=True)
     b, a = min(times["before"]), min(times["after"])
-    what = "loss and gradients (bits)" if args.train else "hypotheses"
     print(f"best of {args.rounds}: before ({args.before}) {b:.4f} s, after (this tree) {a:.4f} s, "
           f"after/before {a / b:.3f}x; the same {what}: {digests['before'] == digests['after']}")
 
