@@ -73,11 +73,33 @@ class MetricQueue:
             self._cond.notify()
 
     def put_spooled(self, points: list[Point], files: list[str], dropped: int) -> None:
-        """The spool's `points` go ahead of the own ones; its `dropped` join the count to tag."""
+        """An earlier logger's spooled `points` go first: ahead of the own ones and of those this
+        logger already spooled at a checkpoint (logged later). Its `dropped` join the count to tag.
+        Called before the thread's first send: no batch is in flight."""
         with self._cond:
-            self._spooled.extend(QueuedPoint(t, step, m) for t, step, m in points)
-            self._spool_files = files
+            self._spooled.extendleft(reversed([QueuedPoint(t, step, m) for t, step, m in points]))
+            self._spool_files = files + self._spool_files
             self.dropped += dropped
+
+    def own(self) -> list[QueuedPoint]:
+        """The own points waiting, oldest first (what a checkpoint spools)."""
+        with self._cond:
+            return list(self._own)
+
+    def spooled(self, points: list[QueuedPoint], file: str) -> bool:
+        """The own `points` are now also in the spool `file`: those still waiting join the spooled
+        ones (on disk: the limits no longer drop them), and the file is removed with theirs. False
+        when none is still waiting (delivered or dropped meanwhile): the caller removes the file.
+        Those still waiting lead the own ones, since points leave only from the head."""
+        written = set(points)
+        with self._cond:
+            moved = 0
+            while self._own and self._own[0] in written:
+                self._spooled.append(self._own.popleft())
+                moved += 1
+            if moved:
+                self._spool_files.append(file)
+            return moved > 0
 
     def next_batch(self, n: int) -> list[QueuedPoint] | None:
         """The oldest `n` points, waiting until there are some (the own ones older than `buffer_s`
@@ -158,7 +180,9 @@ class BufferedRunLogger(RunLogger):
     With `spool_dir`, nothing is lost when training ends during an outage: `close` writes what is
     still queued to a `MetricSpool` there, and the next logger of the run (a restarted worker)
     queues those points first, before its own, or the driver delivers them (`deliver_spool`).
-    Spooled points are on disk: the buffer's limits never drop them."""
+    Nor when the process is killed: the loop calls `spool_pending` before each checkpoint, so every
+    point up to the step a resume starts after is delivered or on disk (the resume replays the
+    later ones). Spooled points are on disk: the buffer's limits never drop them."""
 
     DROPPED_TAG = DROPPED_TAG
 
@@ -170,6 +194,7 @@ class BufferedRunLogger(RunLogger):
         self.spool = MetricSpool(spool_dir, run_id) if spool_dir and run_id else None
         self.spooled = 0  # points written to the spool by close()
         self._queue = MetricQueue(max_points, buffer_s)
+        self._written: set[str] = set()  # the spool files `spool_pending` wrote: not loaded again
         self._thread: threading.Thread | None = None  # started by the first point
         # The thread's own: its MlflowClient (made on its first send), when the server stopped answering.
         self._sender: Any = None
@@ -194,6 +219,27 @@ class BufferedRunLogger(RunLogger):
     def pending(self) -> int:
         return len(self._queue)
 
+    def spool_pending(self) -> int:
+        """Write the points still waiting to the spool, where a later logger of the run (or the
+        driver) finds them if this process dies before delivering them; the number written (0:
+        none waiting, no spool, or its storage failed: a warning says so, they still wait here).
+        The file is removed once its points are delivered. Drops are not written: a process that
+        dies leaves its uncounted drops out of the run's tag."""
+        points = self._queue.own() if self.spool is not None else []
+        if not points:
+            return 0
+        uri = self.spool.new_file()
+        self._written.add(uri)  # before the file exists: the thread's first read must not take it
+        try:
+            self.spool.write(uri, [p.point() for p in points], 0, self.tracking_uri)
+        except Exception as e:  # noqa: BLE001 (the spool's storage failed: training goes on)
+            log.warning("tracking: could not spool %d waiting metric point(s) in %s (%s); they wait in memory",
+                        len(points), self.spool.dir, short_error(e))
+            return 0
+        if not self._queue.spooled(points, uri):  # all delivered while it was written
+            self._remove_files([uri])
+        return len(points)
+
     def close(self, timeout_s: float = 60.0) -> bool:
         """Deliver what is queued, waiting at most `timeout_s`; True when nothing is left. What is
         left goes to the spool (when there is one), else it is lost (a warning says which)."""
@@ -213,7 +259,7 @@ class BufferedRunLogger(RunLogger):
     def _respool(self, left: list[Point], untagged: int, loaded_files: list[str], timeout_s: float) -> bool:
         """Spool `left` and the `untagged` drops in one new file, which replaces `loaded_files`."""
         try:
-            uri = self.spool.write(left, untagged, self.tracking_uri)
+            uri = self.spool.write(self.spool.new_file(), left, untagged, self.tracking_uri)
             MetricSpool.remove(loaded_files)  # their points are in the new file
         except Exception as e:  # noqa: BLE001 (the spool's storage failed too)
             log.warning("tracking: %d metric point(s) not delivered to MLflow server %s and not spooled in "
@@ -224,6 +270,16 @@ class BufferedRunLogger(RunLogger):
                     "at the end of training); spooled in %s: the driver delivers them when the server is "
                     "back", len(left), self.tracking_uri, timeout_s, uri)
         return not left
+
+    @staticmethod
+    def _remove_files(files: list[str]) -> None:
+        """Remove spool files whose points are all delivered."""
+        if not files:
+            return
+        try:
+            MetricSpool.remove(files)
+        except Exception as e:  # noqa: BLE001 (left on disk: a later delivery skips what the run holds)
+            log.warning("tracking: could not remove the delivered metric spool files %s (%s)", files, short_error(e))
 
     # --- the delivery thread ----------------------------------------------------------------------
 
@@ -241,7 +297,7 @@ class BufferedRunLogger(RunLogger):
         if self.spool is None:
             return
         try:
-            files, points, dropped = self.spool.read()
+            files, points, dropped = self.spool.read(skip=self._written)
         except Exception as e:  # noqa: BLE001 (the spool's storage is away: the driver delivers them)
             log.warning("tracking: could not read the metric spool %s (%s); the driver delivers it later",
                         self.spool.dir, short_error(e))
@@ -275,13 +331,7 @@ class BufferedRunLogger(RunLogger):
 
     def _delivered(self, points: list[QueuedPoint]) -> None:
         """Forget the sent `points`; remove the spool files whose points are now all delivered."""
-        done_files = self._queue.remove(points)
-        if done_files:
-            try:
-                MetricSpool.remove(done_files)
-            except Exception as e:  # noqa: BLE001 (left on disk: a later delivery skips what the run holds)
-                log.warning("tracking: could not remove the delivered metric spool files %s (%s)", done_files,
-                            short_error(e))
+        self._remove_files(self._queue.remove(points))
         if self._down_since is not None:
             log.warning("tracking: MLflow server %s answers again after %.0f s; delivering the buffered "
                         "metrics (%d point(s) still queued)", self.tracking_uri,

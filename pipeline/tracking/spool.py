@@ -1,6 +1,6 @@
-"""The durable metric spool: points a `BufferedRunLogger` could not deliver before it closed wait
-beside the checkpoints (`MetricSpool`) until a later logger of the run or the driver
-(`deliver_spool`) delivers them."""
+"""The durable metric spool: points a `BufferedRunLogger` had not delivered at a checkpoint, or
+could not deliver before it closed, wait beside the checkpoints (`MetricSpool`) until it, a later
+logger of the run or the driver (`deliver_spool`) delivers them."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def spool_dir_for(cfg: Config) -> str:
 
 
 class MetricSpool:
-    """The metric points of one run that a `BufferedRunLogger` could not deliver before it closed.
+    """The metric points of one run that a `BufferedRunLogger` had not delivered at a checkpoint
+    (removed once it delivers them) or could not deliver before it closed.
 
     JSONL files ``<root>/<run_id>/<time_ns>-<pid>-<random>.jsonl``, each written whole (temp file +
     rename locally, one PUT on an object store), their names in writing order. A file's first line
@@ -48,17 +49,19 @@ class MetricSpool:
         return [storage.join(self.dir, name) for name, _ in storage.list_files(self.dir)
                 if name.endswith(".jsonl") and "/" not in name and not name.startswith(".")]
 
-    def write(self, points: list[Point], dropped: int, tracking_uri: str | None) -> str:
-        name = f"{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl"
+    def new_file(self) -> str:
+        """A new file's name: after every earlier one in writing order."""
+        return storage.join(self.dir, f"{time.time_ns():020d}-{os.getpid()}-{uuid.uuid4().hex[:8]}.jsonl")
+
+    def write(self, uri: str, points: list[Point], dropped: int, tracking_uri: str | None) -> str:
         lines = [json.dumps({"run_id": self.run_id, "tracking_uri": tracking_uri, "dropped": int(dropped)})]
         lines += [json.dumps({"time": t, "step": step, "metrics": m}) for t, step, m in points]
-        uri = storage.join(self.dir, name)
         storage.write_text(uri, "\n".join(lines) + "\n")
         return uri
 
-    def read(self) -> tuple[list[str], list[Point], int]:
-        """The files, their points (oldest file first) and their dropped counts summed."""
-        files, points, dropped = self.files(), [], 0
+    def read(self, skip: set[str] = frozenset()) -> tuple[list[str], list[Point], int]:
+        """The files (but those in `skip`), their points (oldest file first) and their dropped counts summed."""
+        files, points, dropped = [f for f in self.files() if f not in skip], [], 0
         for uri in files:
             lines = [line for line in storage.read_text(uri).splitlines() if line.strip()]
             dropped += int(json.loads(lines[0]).get("dropped", 0))

@@ -237,6 +237,7 @@ class Trainer:
 
     def _checkpoint(self, sync: bool = False) -> float:
         """The checkpoint of this step; the seconds the loop waited (`sync`: the upload included)."""
+        self.metrics.spool_pending()  # rank 0: every point up to this step delivered or on disk
         waited = self.checkpoints.write(self.state.progress, self.metrics.last, sync)
         self.cadence.checkpointed()
         if self.rank == 0:

@@ -90,6 +90,12 @@ class TrainLog:
                 log.warning("could not log metrics to MLflow (%s); training continues", e)
                 self._warned = True
 
+    def spool_pending(self) -> None:
+        """Before a checkpoint: the points not yet delivered go to the spool, so that a process
+        killed after it loses none of them (its resume replays only the later steps)."""
+        if self.tracker is not None:
+            self.tracker.spool_pending()
+
     def close(self) -> None:
         """Deliver the buffered metrics, waiting at most a minute for the server; what is left
         goes to the spool (`spool_dir`), which the driver delivers."""

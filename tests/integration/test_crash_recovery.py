@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import load_config
+from pipeline.tracking import SPOOL_FOLDER, MetricSpool
 from pipeline.train.resume import SNAPSHOT
 from tests.support import faults
 from tests.support.procs import session_pids, stop
@@ -136,6 +137,9 @@ def test_killed_driver_mid_encode_and_mid_train(tmp_path, synthetic_mirror, caps
     assert train.info.status == "FINISHED" and train.data.tags["attempts"] == "2"
     assert train.data.tags["mlflow.parentRunId"] == parents[2].info.run_id
     assert parents[2].data.tags["stage_run.train"] == train.info.run_id
-    # Driver 2 logged steps 4..20; driver 3 resumed at 16 and replayed 17..20: each step once.
+    # Driver 2 logged steps 4..20 (those up to its checkpoint at 16 delivered, or spooled then if
+    # its killed worker had not delivered them yet); driver 3 resumed at 16 and replayed 17..20:
+    # each step once, and no spool file left.
     for key, steps in (("train/loss", [4, 8, 12, 16, 20, 24]), ("val/loss", [12, 24])):
         assert sorted(m.step for m in client.get_metric_history(train.info.run_id, key)) == steps, key
+    assert not MetricSpool(str(work / "ray_train" / SPOOL_FOLDER), train.info.run_id).files()

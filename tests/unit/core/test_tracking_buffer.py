@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import threading
 import time
 import types
 
@@ -193,6 +194,84 @@ def test_close_against_a_closed_port_spools_with_mlflows_own_client(tmp_path, mo
     assert not logger.close(timeout_s=2)
     _, points, dropped = MetricSpool(str(tmp_path), "0" * 32).read()
     assert [p[1] for p in points] == [1, 2, 3] and dropped == 0
+
+
+# --- the spool at a checkpoint: nothing lost when the process is killed -------------------------
+
+def killed(logger: BufferedRunLogger) -> None:
+    """What SIGKILL leaves of a logger: its thread stops at its next turn, nothing is spooled."""
+    logger._queue.stop()
+
+
+def test_a_killed_worker_loses_no_point_logged_before_its_checkpoint(store, tmp_path):
+    """Attempt 1 logs steps 1-6 while the server is away, checkpoints at step 6, and is killed;
+    attempt 2 resumes from that checkpoint and logs steps 7-9."""
+    run_id = store.create_run()
+    store.up = False
+    first = BufferedRunLogger("fake", run_id, retry_s=0.01, spool_dir=str(tmp_path))
+    log_steps(first, range(1, 7))
+    assert first.spool_pending() == 6
+    killed(first)
+    store.up = True
+    second = BufferedRunLogger("fake", run_id, retry_s=0.01, spool_dir=str(tmp_path))
+    log_steps(second, range(7, 10))
+    assert second.close(timeout_s=30)
+    assert store.metric_steps(run_id, "train/loss") == list(range(1, 10))  # once each, in order
+    assert not list(tmp_path.joinpath(run_id).glob("*.jsonl")), "delivered: the checkpoint's file is removed"
+
+
+def test_points_spooled_at_a_checkpoint_are_delivered_once_and_their_file_removed(store, tmp_path):
+    run_id = store.create_run()
+    store.up = False
+    logger = BufferedRunLogger("fake", run_id, retry_s=0.01, max_points=2, buffer_s=60.0, spool_dir=str(tmp_path))
+    log_steps(logger, [1, 2])
+    assert logger.spool_pending() == 2 and len(list(tmp_path.joinpath(run_id).glob("*.jsonl"))) == 1
+    log_steps(logger, [3, 4, 5])  # room for 2 own points: step 3 is dropped, the spooled 1-2 stay
+    assert logger.dropped == 1 and logger.pending() == 4
+    store.up = True
+    assert logger.close(timeout_s=30)
+    assert store.metric_steps(run_id, "train/loss") == [1, 2, 4, 5]
+    assert not list(tmp_path.joinpath(run_id).glob("*.jsonl"))
+
+
+def test_a_checkpoints_file_whose_points_were_delivered_while_it_was_written_is_removed(store, tmp_path):
+    run_id = store.create_run()
+    store.up = False
+    logger = BufferedRunLogger("fake", run_id, retry_s=0.01, spool_dir=str(tmp_path))
+    log_steps(logger, [1, 2, 3])
+    write = logger.spool.write
+
+    def write_once_delivered(*args):
+        store.up = True
+        wait_until(lambda: logger.pending() == 0, "the thread delivering steps 1-3")
+        return write(*args)
+
+    logger.spool.write = write_once_delivered
+    assert logger.spool_pending() == 3
+    assert not list(tmp_path.joinpath(run_id).glob("*.jsonl")), "all its points were delivered"
+    assert logger.close(timeout_s=30) and store.metric_steps(run_id, "train/loss") == [1, 2, 3]
+
+
+def test_an_earlier_workers_spool_goes_before_points_this_worker_spooled_first(store, tmp_path):
+    """The thread reads the run's spool when it starts; a checkpoint may spool this worker's own
+    points before that read: the earlier worker's (older) points still go first, and this worker's
+    own file is not read back."""
+    run_id = store.create_run()
+    close_during_outage(store, run_id, tmp_path, range(1, 7))  # attempt 1: steps 1-6 spooled
+    logger = BufferedRunLogger("fake", run_id, retry_s=0.01, spool_dir=str(tmp_path))
+    gate, read = threading.Event(), logger.spool.read
+    logger.spool.read = lambda **kw: (gate.wait(30), read(**kw))[1]
+    log_steps(logger, [5, 6, 7])  # attempt 2 resumed at step 4; its thread waits at the read
+    assert logger.spool_pending() == 3
+    gate.set()
+    wait_until(lambda: logger.pending() == 9, "the thread queueing attempt 1's 6 points")
+    time.sleep(0.1)
+    assert logger.pending() == 9, "its own file was read back"
+    store.up = True
+    log_steps(logger, [8])
+    assert logger.close(timeout_s=30)
+    assert store.metric_steps(run_id, "train/loss") == list(range(1, 9))
+    assert not list(tmp_path.joinpath(run_id).glob("*.jsonl"))
 
 
 def test_the_next_invocation_delivers_the_spools_of_runs_that_ended(store, tmp_path):

@@ -137,3 +137,29 @@ def test_time_interval_checkpoints(shards, tmp_path):
     train_worker(tiny_spec(shards, max_steps=3, checkpoint_interval_steps=100, checkpoint_interval_s=1e-9),
                  session)
     assert [p.name for p in session.checkpoints()] == [f"checkpoint_000000{i}" for i in (1, 2, 3)]
+
+
+def test_every_point_up_to_a_checkpoint_is_on_disk_when_the_server_is_away(shards, tmp_path, monkeypatch):
+    """The tracking server is away for the whole run and the process dies at the end (its close
+    spools nothing): each checkpoint spooled every point logged since the one before, so a resumed
+    worker delivers the whole curve up to its checkpoint before the steps it replays."""
+    from pipeline.tracking import BufferedRunLogger, MetricSpool
+    from tests.support.fake_mlflow import FakeMlflow
+
+    store = FakeMlflow(monkeypatch)
+    run_id = store.create_run()
+    store.up = False
+    monkeypatch.setattr(BufferedRunLogger, "close", lambda self, timeout_s=60.0: self._queue.stop() and False)
+    spec = tiny_spec(shards, max_steps=10, checkpoint_interval_steps=4)  # checkpoints at steps 4, 8 and 10
+    spec.update(tracking_uri="fake", run_id=run_id)
+    spec["cfg"]["run"]["work_dir"] = str(tmp_path / "work")
+    out = train_worker(spec, LocalSession(tmp_path / "ck"))
+    spool = MetricSpool(str(tmp_path / "work" / "ray_train" / "tracking_spool"), run_id)
+    per_file = [[json.loads(line) for line in Path(f).read_text().splitlines()[1:]] for f in spool.files()]
+    assert [[p["step"] for p in points if "train/loss" in p["metrics"]] for points in per_file] == [
+        [1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    losses = {p["step"]: p["metrics"]["train/loss"] for points in per_file for p in points
+              if "train/loss" in p["metrics"]}
+    assert losses == {int(s): loss for s, loss, _, _ in out["history_train"]}
+    assert [p["step"] for points in per_file for p in points if "val/loss" in p["metrics"]] == [6, 10]  # and at the end
+    assert store.metric_steps(run_id, "train/loss") == []
