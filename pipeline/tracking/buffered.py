@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from pipeline.tracking.client import short_error
 from pipeline.tracking.loggers import DROPPED_TAG, RunLogger
-from pipeline.tracking.spool import MetricSpool, Point
+from pipeline.tracking.spool import LoggerSpool, MetricSpool, Point
 
 log = logging.getLogger("pipeline.tracking")  # one logger name for the package: one switch for all its messages
 
@@ -192,9 +192,9 @@ class BufferedRunLogger(RunLogger):
         super().__init__(tracking_uri, run_id)
         self.buffer_s, self.retry_s, self.max_points, self.batch_points = buffer_s, retry_s, max_points, batch_points
         self.spool = MetricSpool(spool_dir, run_id) if spool_dir and run_id else None
+        self._spool = LoggerSpool(self.spool, tracking_uri) if self.spool is not None else None
         self.spooled = 0  # points written to the spool by close()
         self._queue = MetricQueue(max_points, buffer_s)
-        self._written: set[str] = set()  # the spool files `spool_pending` wrote: not loaded again
         self._thread: threading.Thread | None = None  # started by the first point
         # The thread's own: its MlflowClient (made on its first send), when the server stopped answering.
         self._sender: Any = None
@@ -225,19 +225,12 @@ class BufferedRunLogger(RunLogger):
         none waiting, no spool, or its storage failed: a warning says so, they still wait here).
         The file is removed once its points are delivered. Drops are not written: a process that
         dies leaves its uncounted drops out of the run's tag."""
-        points = self._queue.own() if self.spool is not None else []
-        if not points:
-            return 0
-        uri = self.spool.new_file()
-        self._written.add(uri)  # before the file exists: the thread's first read must not take it
-        try:
-            self.spool.write(uri, [p.point() for p in points], 0, self.tracking_uri)
-        except Exception as e:  # noqa: BLE001 (the spool's storage failed: training goes on)
-            log.warning("tracking: could not spool %d waiting metric point(s) in %s (%s); they wait in memory",
-                        len(points), self.spool.dir, short_error(e))
+        points = self._queue.own() if self._spool is not None else []
+        uri = self._spool.write([p.point() for p in points], 0, "they wait in memory") if points else None
+        if uri is None:
             return 0
         if not self._queue.spooled(points, uri):  # all delivered while it was written
-            self._remove_files([uri])
+            self._spool.remove([uri])
         return len(points)
 
     def close(self, timeout_s: float = 60.0) -> bool:
@@ -249,7 +242,7 @@ class BufferedRunLogger(RunLogger):
         left, untagged, loaded_files = self._queue.stop()  # a thread still trying ends at its next turn
         if not left and not untagged:
             return True
-        if self.spool is None:
+        if self._spool is None:
             if left:
                 log.warning("tracking: %d metric point(s) not delivered to MLflow server %s (still away after "
                             "%.0f s at the end of training); they are lost", len(left), self.tracking_uri, timeout_s)
@@ -258,28 +251,15 @@ class BufferedRunLogger(RunLogger):
 
     def _respool(self, left: list[Point], untagged: int, loaded_files: list[str], timeout_s: float) -> bool:
         """Spool `left` and the `untagged` drops in one new file, which replaces `loaded_files`."""
-        try:
-            uri = self.spool.write(self.spool.new_file(), left, untagged, self.tracking_uri)
-            MetricSpool.remove(loaded_files)  # their points are in the new file
-        except Exception as e:  # noqa: BLE001 (the spool's storage failed too)
-            log.warning("tracking: %d metric point(s) not delivered to MLflow server %s and not spooled in "
-                        "%s (%s); they are lost", len(left), self.tracking_uri, self.spool.dir, short_error(e))
+        uri = self._spool.write(left, untagged, f"not delivered to MLflow server {self.tracking_uri} either: lost")
+        if uri is None:
             return False
+        self._spool.remove(loaded_files)  # their points are in the new file
         self.spooled = len(left)
         log.warning("tracking: %d metric point(s) not delivered to MLflow server %s (still away after %.0f s "
                     "at the end of training); spooled in %s: the driver delivers them when the server is "
                     "back", len(left), self.tracking_uri, timeout_s, uri)
         return not left
-
-    @staticmethod
-    def _remove_files(files: list[str]) -> None:
-        """Remove spool files whose points are all delivered."""
-        if not files:
-            return
-        try:
-            MetricSpool.remove(files)
-        except Exception as e:  # noqa: BLE001 (left on disk: a later delivery skips what the run holds)
-            log.warning("tracking: could not remove the delivered metric spool files %s (%s)", files, short_error(e))
 
     # --- the delivery thread ----------------------------------------------------------------------
 
@@ -294,14 +274,7 @@ class BufferedRunLogger(RunLogger):
 
     def _load_spool(self) -> None:
         """Queue the run's spooled points ahead of this logger's own."""
-        if self.spool is None:
-            return
-        try:
-            files, points, dropped = self.spool.read(skip=self._written)
-        except Exception as e:  # noqa: BLE001 (the spool's storage is away: the driver delivers them)
-            log.warning("tracking: could not read the metric spool %s (%s); the driver delivers it later",
-                        self.spool.dir, short_error(e))
-            return
+        files, points, dropped = self._spool.load() if self._spool is not None else ([], [], 0)
         if files:
             self._queue.put_spooled(points, files, dropped)
             log.info("tracking: %d metric point(s) spooled by an earlier worker of run %s go first", len(points),
@@ -331,7 +304,7 @@ class BufferedRunLogger(RunLogger):
 
     def _delivered(self, points: list[QueuedPoint]) -> None:
         """Forget the sent `points`; remove the spool files whose points are now all delivered."""
-        self._remove_files(self._queue.remove(points))
+        LoggerSpool.remove(self._queue.remove(points))
         if self._down_since is not None:
             log.warning("tracking: MLflow server %s answers again after %.0f s; delivering the buffered "
                         "metrics (%d point(s) still queued)", self.tracking_uri,
