@@ -191,8 +191,7 @@ class BufferedRunLogger(RunLogger):
                  spool_dir: str | None = None):
         super().__init__(tracking_uri, run_id)
         self.buffer_s, self.retry_s, self.max_points, self.batch_points = buffer_s, retry_s, max_points, batch_points
-        self.spool = MetricSpool(spool_dir, run_id) if spool_dir and run_id else None
-        self._spool = LoggerSpool(self.spool, tracking_uri) if self.spool is not None else None
+        self.spool = LoggerSpool(MetricSpool(spool_dir, run_id), tracking_uri) if spool_dir and run_id else None
         self.spooled = 0  # points written to the spool by close()
         self._queue = MetricQueue(max_points, buffer_s)
         self._thread: threading.Thread | None = None  # started by the first point
@@ -225,12 +224,12 @@ class BufferedRunLogger(RunLogger):
         none waiting, no spool, or its storage failed: a warning says so, they still wait here).
         The file is removed once its points are delivered. Drops are not written: a process that
         dies leaves its uncounted drops out of the run's tag."""
-        points = self._queue.own() if self._spool is not None else []
-        uri = self._spool.write([p.point() for p in points], 0, "they wait in memory") if points else None
+        points = self._queue.own() if self.spool is not None else []
+        uri = self.spool.write([p.point() for p in points], 0, "they wait in memory") if points else None
         if uri is None:
             return 0
         if not self._queue.spooled(points, uri):  # all delivered while it was written
-            self._spool.remove([uri])
+            self.spool.remove([uri])
         return len(points)
 
     def close(self, timeout_s: float = 60.0) -> bool:
@@ -242,7 +241,7 @@ class BufferedRunLogger(RunLogger):
         left, untagged, loaded_files = self._queue.stop()  # a thread still trying ends at its next turn
         if not left and not untagged:
             return True
-        if self._spool is None:
+        if self.spool is None:
             if left:
                 log.warning("tracking: %d metric point(s) not delivered to MLflow server %s (still away after "
                             "%.0f s at the end of training); they are lost", len(left), self.tracking_uri, timeout_s)
@@ -251,10 +250,10 @@ class BufferedRunLogger(RunLogger):
 
     def _respool(self, left: list[Point], untagged: int, loaded_files: list[str], timeout_s: float) -> bool:
         """Spool `left` and the `untagged` drops in one new file, which replaces `loaded_files`."""
-        uri = self._spool.write(left, untagged, f"not delivered to MLflow server {self.tracking_uri} either: lost")
+        uri = self.spool.write(left, untagged, f"not delivered to MLflow server {self.tracking_uri} either: lost")
         if uri is None:
             return False
-        self._spool.remove(loaded_files)  # their points are in the new file
+        self.spool.remove(loaded_files)  # their points are in the new file
         self.spooled = len(left)
         log.warning("tracking: %d metric point(s) not delivered to MLflow server %s (still away after %.0f s "
                     "at the end of training); spooled in %s: the driver delivers them when the server is "
@@ -274,7 +273,7 @@ class BufferedRunLogger(RunLogger):
 
     def _load_spool(self) -> None:
         """Queue the run's spooled points ahead of this logger's own."""
-        files, points, dropped = self._spool.load() if self._spool is not None else ([], [], 0)
+        files, points, dropped = self.spool.load() if self.spool is not None else ([], [], 0)
         if files:
             self._queue.put_spooled(points, files, dropped)
             log.info("tracking: %d metric point(s) spooled by an earlier worker of run %s go first", len(points),

@@ -77,33 +77,33 @@ class MetricSpool:
 
 
 class LoggerSpool:
-    """A `BufferedRunLogger`'s use of its run's `MetricSpool` (`spool`), where a storage failure is
+    """A `BufferedRunLogger`'s use of its run's `MetricSpool` (`store`), where a storage failure is
     a warning, never an error (training goes on): the files it writes, those of earlier loggers it
     loads (never its own), and the delivered ones it removes."""
 
-    def __init__(self, spool: MetricSpool, tracking_uri: str | None):
-        self.spool, self.tracking_uri = spool, tracking_uri
+    def __init__(self, store: MetricSpool, tracking_uri: str | None):
+        self.store, self.tracking_uri = store, tracking_uri
         self._written: set[str] = set()  # the files this logger wrote: `load` does not take them
 
     def write(self, points: list[Point], dropped: int, then: str) -> str | None:
         """A new file holding `points` and `dropped`; None when the storage failed (the warning
         ends with `then`: what becomes of the points)."""
-        uri = self.spool.new_file()
+        uri = self.store.new_file()
         self._written.add(uri)  # before the file exists: a `load` running meanwhile must not take it
         try:
-            return self.spool.write(uri, points, dropped, self.tracking_uri)
+            return self.store.write(uri, points, dropped, self.tracking_uri)
         except Exception as e:  # noqa: BLE001 (any storage error)
             log.warning("tracking: could not spool %d metric point(s) of run %s in %s (%s); %s", len(points),
-                        self.spool.run_id, self.spool.dir, short_error(e), then)
+                        self.store.run_id, self.store.dir, short_error(e), then)
             return None
 
     def load(self) -> tuple[list[str], list[Point], int]:
         """The files earlier loggers of the run left, their points and drops (`MetricSpool.read`)."""
         try:
-            return self.spool.read(skip=self._written)
+            return self.store.read(skip=self._written)
         except Exception as e:  # noqa: BLE001 (the storage is away: the driver delivers them)
             log.warning("tracking: could not read the metric spool %s (%s); the driver delivers it later",
-                        self.spool.dir, short_error(e))
+                        self.store.dir, short_error(e))
             return [], [], 0
 
     @staticmethod

@@ -239,14 +239,14 @@ def test_a_checkpoints_file_whose_points_were_delivered_while_it_was_written_is_
     store.up = False
     logger = BufferedRunLogger("fake", run_id, retry_s=0.01, spool_dir=str(tmp_path))
     log_steps(logger, [1, 2, 3])
-    write = logger.spool.write
+    write = logger.spool.store.write
 
     def write_once_delivered(*args):
         store.up = True
         wait_until(lambda: logger.pending() == 0, "the thread delivering steps 1-3")
         return write(*args)
 
-    logger.spool.write = write_once_delivered
+    logger.spool.store.write = write_once_delivered
     assert logger.spool_pending() == 3
     assert not list(tmp_path.joinpath(run_id).glob("*.jsonl")), "all its points were delivered"
     assert logger.close(timeout_s=30) and store.metric_steps(run_id, "train/loss") == [1, 2, 3]
@@ -259,8 +259,8 @@ def test_an_earlier_workers_spool_goes_before_points_this_worker_spooled_first(s
     run_id = store.create_run()
     close_during_outage(store, run_id, tmp_path, range(1, 7))  # attempt 1: steps 1-6 spooled
     logger = BufferedRunLogger("fake", run_id, retry_s=0.01, spool_dir=str(tmp_path))
-    gate, read = threading.Event(), logger.spool.read
-    logger.spool.read = lambda **kw: (gate.wait(30), read(**kw))[1]
+    gate, read = threading.Event(), logger.spool.store.read
+    logger.spool.store.read = lambda **kw: (gate.wait(30), read(**kw))[1]
     log_steps(logger, [5, 6, 7])  # attempt 2 resumed at step 4; its thread waits at the read
     assert logger.spool_pending() == 3
     gate.set()
