@@ -57,6 +57,32 @@ def test_storage_round_trip(s3, tmp_path):
         assert storage.resolve(uri)[1] == pafs.FileSystem.from_uri(uri)[1].rstrip("/")
 
 
+def test_metric_spool_on_s3_outlives_a_killed_worker(s3, monkeypatch):
+    """The spool beside the checkpoints in the bucket: what a worker spooled at its checkpoint while
+    the tracking server was away, then killed, the next worker of the run delivers, then removes."""
+    from pipeline.tracking import SPOOL_FOLDER, BufferedRunLogger
+    from tests.support.fake_mlflow import FakeMlflow
+
+    store = FakeMlflow(monkeypatch)
+    run_id = store.create_run()
+    root = s3.uri("wd/ray_train", SPOOL_FOLDER)
+    store.up = False
+    first = BufferedRunLogger("fake", run_id, retry_s=0.01, spool_dir=root)
+    for step in range(1, 5):
+        first.log_metrics({"train/loss": 1.0 / step}, step=step)
+    assert first.spool_pending() == 4
+    first._queue.stop()  # killed: its thread stops, nothing more is spooled
+    prefix = f"wd/ray_train/{SPOOL_FOLDER}/{run_id}/"
+    assert len([k for k in s3.keys(prefix) if k.endswith(".jsonl")]) == 1  # (pyarrow adds a folder marker)
+    store.up = True
+    second = BufferedRunLogger("fake", run_id, retry_s=0.01, spool_dir=root)
+    for step in (5, 6):
+        second.log_metrics({"train/loss": 1.0 / step}, step=step)
+    assert second.close(timeout_s=30)
+    assert store.metric_steps(run_id, "train/loss") == [1, 2, 3, 4, 5, 6]
+    assert [k for k in s3.keys(prefix) if k.endswith(".jsonl")] == []
+
+
 @pytest.fixture
 def fake_stages(monkeypatch):
     """Stage bodies that write through pipeline.storage and read their upstream outputs."""

@@ -252,6 +252,25 @@ def test_a_checkpoints_file_whose_points_were_delivered_while_it_was_written_is_
     assert logger.close(timeout_s=30) and store.metric_steps(run_id, "train/loss") == [1, 2, 3]
 
 
+def test_a_checkpoint_whose_spool_cannot_be_written_keeps_its_points_waiting(store, tmp_path, caplog):
+    run_id = store.create_run()
+    store.up = False
+    logger = BufferedRunLogger("fake", run_id, retry_s=0.01, max_points=3, spool_dir=str(tmp_path))
+    log_steps(logger, [1, 2, 3])
+
+    def storage_away(*args):
+        raise OSError("the bucket is away")
+
+    logger.spool.store.write = storage_away
+    assert logger.spool_pending() == 0
+    assert "could not spool 3 metric point(s)" in caplog.text and "they wait in memory" in caplog.text
+    log_steps(logger, [4])  # still the logger's own: the limits apply, step 1 is dropped
+    assert logger.dropped == 1 and logger.pending() == 3
+    store.up = True
+    assert logger.close(timeout_s=30)
+    assert store.metric_steps(run_id, "train/loss") == [2, 3, 4]
+
+
 def test_an_earlier_workers_spool_goes_before_points_this_worker_spooled_first(store, tmp_path):
     """The thread reads the run's spool when it starts; a checkpoint may spool this worker's own
     points before that read: the earlier worker's (older) points still go first, and this worker's
