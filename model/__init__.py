@@ -2,9 +2,9 @@
 
 transformer   the architecture as §3 writes it: `Transformer(cfg, cpu_kernels=True)`;
               `model(src, tgt_in, nonpad=None)` -> decoder output, `model.logits(h)` -> logits
-padding       real (non-pad) positions (`Positions`, `NonPad`) and the padding mask
+layout        the heads (widths when d_k, d_v differ from d_model / h: Table 3 A, B), the real
+              (non-pad) positions (`Positions`, `NonPad`) and the padding mask
 kernels       CPU dropout, fp32 CPU attention for bf16 gradients, in-place residual adds
-heads         per-head widths when d_k, d_v differ from d_model / h (Table 3 A, B)
 incremental   decoding one token at a time: `DecoderState`, the fused eval-mode decoder step
 search        greedy and beam search over the `DecodingModel` protocol
 attention_weights  the attention maps of a sentence pair (the paper's Figures 3-5)
@@ -26,7 +26,7 @@ _WHERE = {
     "SIZES": "config", "ModelConfig": "config", "ModelSizes": "config", "Positional": "config", "size_name": "config",
     "DecoderState": "incremental",
     "label_smoothed_nll": "loss", "linear_label_smoothed_nll": "loss",
-    "NonPad": "padding",
+    "NonPad": "layout",
     "ADAM_BETAS": "schedule", "ADAM_EPS": "schedule", "make_optimizer": "schedule", "make_scheduler": "schedule",
     "noam_lambda": "schedule", "noam_lr": "schedule",
     "DecodingModel": "search", "beam_search": "search", "gnmt_length_penalty": "search", "greedy_search": "search",
@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # what type checkers and readers see
     from .config import SIZES, ModelConfig, ModelSizes, Positional, size_name  # noqa: F401
     from .incremental import DecoderState  # noqa: F401
     from .loss import label_smoothed_nll, linear_label_smoothed_nll  # noqa: F401
-    from .padding import NonPad  # noqa: F401
+    from .layout import NonPad  # noqa: F401
     from .schedule import ADAM_BETAS, ADAM_EPS, make_optimizer, make_scheduler, noam_lambda, noam_lr  # noqa: F401
     from .search import (DecodingModel, beam_search, gnmt_length_penalty, greedy_search,  # noqa: F401
                          max_source_len, output_budget)

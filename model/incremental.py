@@ -25,9 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .heads import Heads
 from .kernels import add_into
-from .padding import Positions, key_padding_to_attn_mask
+from .layout import Heads, Positions, key_padding_to_attn_mask
 
 
 Linear = tuple[torch.Tensor, torch.Tensor]  # (W.T contiguous (d_in, d_out), bias)

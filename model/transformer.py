@@ -5,9 +5,9 @@ rotary positions (`positional`), pre-norm (`norm_position`), RMSNorm (`norm`), S
 Sequences: source = pieces + [eos] (no bos); decoder input = [bos] + pieces; decoder target =
 pieces + [eos]; right-padded with pad_id. Shapes: B sentences, S source / T target length, M real
 (non-pad) positions, d = d_model, h = n_heads, d_k / d_v the per-head widths (Table 3 A/B),
-hs = max(d_k, d_v) (`model.heads`), V = vocab_size.
+hs = max(d_k, d_v) (`model.layout`), V = vocab_size.
 
-Beside it: `padding` (real positions, masks), `kernels` (CPU kernels, by the `cpu_kernels`
+Beside it: `layout` (the heads, the real positions, masks), `kernels` (CPU kernels, by the `cpu_kernels`
 option), `incremental` (decoding one token at a time: the KV cache, the beams), `attention_weights`
 (what attention sees, recorded by hooking `ScaledDotProductAttention` from outside).
 """
@@ -23,9 +23,8 @@ import torch.nn.functional as F
 
 from . import incremental
 from .config import ModelConfig
-from .heads import Heads
 from .kernels import Dropout, add_into, sdpa
-from .padding import NonPad, Positions, key_padding_to_attn_mask
+from .layout import Heads, NonPad, Positions, key_padding_to_attn_mask
 
 
 def sinusoid_table(n_positions: int, d_model: int) -> torch.Tensor:
@@ -42,7 +41,7 @@ class Rotary(nn.Module):
     """Rotary positions (Su et al., 2021): each pair (x_2i, x_2i+1) of a head's query or key at
     position m is rotated by the angle m * theta_i, theta_i = 10000^(-2i/d_k), so that q_m . k_n
     depends on the offset m - n only. Pairs interleaved as in the paper (and as §3.5 interleaves
-    the sinusoids); the zero columns a head is padded with (`model.heads`) are rotated by angle 0."""
+    the sinusoids); the zero columns a head is padded with (`model.layout`) are rotated by angle 0."""
 
     def __init__(self, d_k: int, hs: int, n_positions: int):
         super().__init__()

@@ -12,7 +12,7 @@ is left out, as in every MFU figure. The backward of a matmul counts twice its f
 
 Shapes come from lengths alone (`MicroShape`): a micro-batch of B pairs padded to S source and
 T target columns, with Ms and Mt real positions (the model computes position-wise work on those
-only, `model.padding.Positions`), as `pipeline.train.token_batches.collate` builds it on a GPU
+only, `model.layout.Positions`), as `pipeline.train.token_batches.collate` builds it on a GPU
 (no row rounding). Imports torch, numpy and the model only: benchmarks/gpu_check.py uses it.
 """
 

@@ -10,7 +10,7 @@ import torch
 
 from model import ModelConfig
 from model.incremental import LayerWeights, decoder_layer_step
-from model.padding import key_padding_to_attn_mask
+from model.layout import key_padding_to_attn_mask
 from model.transformer import DecoderLayer
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from model import ModelConfig, Transformer
-from model.padding import key_padding_to_attn_mask
+from model.layout import key_padding_to_attn_mask
 from model.transformer import DecoderLayer, EncoderLayer
 
 D, H, D_FF = 16, 4, 32

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from model.padding import Positions
+from model.layout import Positions
 from model.transformer import CrossAttention, SelfAttention
 
 PAD, BOS, EOS = 0, 2, 3

@@ -1,0 +1,97 @@
+"""How the paper's (B, T, d) tensors are laid out around attention, and back: the heads and the
+real positions. The layers of `model.transformer` call these; nothing here learns.
+
+Heads (Table 3 rows A, B: d_k and d_v independent of d_model / h). The fused projections keep one
+tensor layout for every variant: each head's q, k, v are zero-padded to hs = max(d_k, d_v). Zero
+columns change no dot product, SDPA is given d_k^-0.5 as its scale (§3.2.1) when keys are padded,
+and the padded value columns are dropped before W_O, so the result is the paper's attention exactly
+(tests/unit/model/test_variants.py).
+
+Real positions (right padding). Position-wise work (projections, FFN, LayerNorm, dropout) runs on
+the M real positions only, as (M, d) rows (`Positions.pack`); attention scatters them back into
+(B, T, .) (`Positions.unpack`). Outputs at pad positions are never computed. Boolean attention
+masks follow `F.scaled_dot_product_attention`: True = this key may be attended to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def pad_heads(x: torch.Tensor, hs: int) -> torch.Tensor:
+    """(..., w) -> (..., hs): zero columns after the w real ones (no copy when w == hs)."""
+    return x if x.shape[-1] == hs else F.pad(x, (0, hs - x.shape[-1]))
+
+
+class Heads:
+    """Per-head widths of one attention block: d_k, d_v, hs = max(d_k, d_v), SDPA's scale."""
+
+    def __init__(self, d_model: int, n_heads: int, d_k: int | None, d_v: int | None):
+        self.n_heads = n_heads
+        self.d_k, self.d_v = d_k or d_model // n_heads, d_v or d_model // n_heads
+        self.hs = max(self.d_k, self.d_v)
+        self.uniform = self.d_k == self.d_v
+        # §3.2.1: scores / sqrt(d_k); SDPA's default 1/sqrt(hs) is that unless keys are padded.
+        self.scale = None if self.d_k == self.hs else self.d_k ** -0.5
+
+    def split(self, x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        """(B, T, h * sum(sizes)) fused projections -> (len(sizes), B, h, T, hs), each part padded."""
+        B, T, _ = x.shape
+        h = self.n_heads
+        if all(w == self.hs for w in sizes):
+            return x.view(B, T, len(sizes), h, self.hs).permute(2, 0, 3, 1, 4)
+        parts = x.split([h * w for w in sizes], dim=-1)
+        return torch.stack([pad_heads(p.view(B, T, h, w), self.hs) for p, w in zip(parts, sizes)]).permute(
+            0, 1, 3, 2, 4)
+
+    def split_queries(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, h * d_k) one projection -> (B, h, T, hs), padded when d_k < d_v."""
+        B, T, _ = x.shape
+        return pad_heads(x.view(B, T, self.n_heads, self.d_k).transpose(1, 2), self.hs)
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        """SDPA output (B, h, T, hs) -> (B, T, h * d_v), the padded value columns dropped."""
+        return merge_heads(y if self.d_v == self.hs else y[..., : self.d_v])
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    B, h, T, hs = x.shape
+    return x.transpose(1, 2).reshape(B, T, h * hs)  # (B, T, d)
+
+
+def key_padding_to_attn_mask(pad_mask: torch.Tensor) -> torch.Tensor:
+    """(B, S) bool True = pad  ->  (B, 1, 1, S) bool True = may attend (SDPA convention)."""
+    return ~pad_mask[:, None, None, :]
+
+
+class Positions:
+    """The M real (non-pad) positions of a right-padded (B, T) batch: `index` (M,) long holds
+    their flat positions b * T + t, row-major."""
+
+    def __init__(self, keep: torch.Tensor, index: torch.Tensor | None = None):  # (B, T) bool, True = real
+        self.B, self.T = keep.shape
+        # `nonzero` waits for the device (its size is data-dependent): training passes the index
+        # computed on the host with the batch (`index`, the same positions), so a step never syncs.
+        self.index = keep.reshape(-1).nonzero()[:, 0] if index is None else index  # (M,)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """(M, c) -> (B, T, c), zeros at pad positions."""
+        return x.new_zeros(self.B * self.T, x.shape[1]).index_copy(0, self.index, x).view(self.B, self.T, -1)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) -> (M, ...)."""
+        return x.reshape(self.B * self.T, *x.shape[2:]).index_select(0, self.index)
+
+
+@dataclass(frozen=True)
+class NonPad:
+    """`Transformer.forward`'s request to compute the decoder at the non-pad target positions only
+    (the loss needs no other), with the flat non-pad positions of the source and the decoder input
+    when the caller has them (`pipeline.train.token_batches.collate` computes them on the host, so a
+    step needs no device-to-host sync to find them); None: found on the device."""
+
+    src_index: torch.Tensor | None = None  # (Ms,) flat non-pad positions of src_ids
+    tgt_index: torch.Tensor | None = None  # (M,) flat non-pad positions of tgt_in_ids
