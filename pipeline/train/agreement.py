@@ -1,4 +1,4 @@
-"""What the workers must share after a step, in one collective at one place in the loop.
+"""What the workers share after a step, in one collective at one place in the loop, and what it decides.
 
 After every step each rank brings a `Local` and gets back the same `Agreed` as every other rank:
 - on a log step, the window's loss and nll sums (added over the ranks);
@@ -18,15 +18,36 @@ ranks read the same values at the same step, so all decide alike (`pipeline.trai
 The collective is an `all_gather` of a few float64 numbers per rank, on CPU tensors in a gloo
 group of its own: reading it never syncs a GPU stream, and it never interleaves with DDP's
 all-reduces on the default group. In one process there is nothing to exchange.
+
+What the loop then does is decided here too, by `decide`: a pure function of the agreed row, the
+step, the interval rules (`Cadence`) and the early-stop verdict. It returns the `Action`s the loop
+carries out, in this order:
+
+    LOG                  the agreement holds the window's loss sums (a log step)
+    DEV_LOSS             the agreement holds the dev sums (a validation step)
+    EARLY_STOP           the early-stop rule says stop (its verdict, kept by
+                         `pipeline.train.early_stop.EarlyStopDecision`, is an input)
+    STOP_PREEMPTED_AFTER_CHECKPOINT / STOP_PREEMPTED
+                         a preemption notice reached the agreement (`pipeline.train.preemption`):
+                         a synchronous checkpoint if it fits (`verdict`), then the group stops;
+                         nothing follows
+    CHECKPOINT           an early stop, `checkpoint.interval_steps` (or the last step), or rank 0's
+                         time-based wish (`checkpoint.interval_s`, in the agreement)
+
+Every rank reads the same agreement at the same step, so every rank gets the same list.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from pipeline.config import CheckpointSection, MetricsSection
 
 NO_NOTICE = 1e18  # the grace left of a rank without a preemption notice (the ranks take the least)
 
@@ -138,3 +159,80 @@ class StepAgreement:
     def close(self) -> None:
         """Wait for the exchange in flight (every rank started it), so none is left dangling."""
         self._finish_pending()
+
+
+def verdict(agreed: Agreed | None) -> tuple[bool, bool]:
+    """A preemption notice's (stop now, with a checkpoint) from the step's agreement (or None): the
+    same answer on every rank at the same step (`pipeline.train.preemption`)."""
+    if agreed is None or agreed.grace_left_s >= NO_NOTICE:
+        return False, False
+    # Sent a step ago: that step and a save still have to fit; sent now: the save alone.
+    left_after = agreed.grace_left_s - (agreed.step_and_save_s if agreed.lagged else agreed.save_s)
+    return True, left_after > 0
+
+
+class Action(Enum):
+    LOG = "log"  # the log line of the window's steps; a new window
+    DEV_LOSS = "dev_loss"  # the dev loss logged and kept in the history
+    EARLY_STOP = "early_stop"  # the stop recorded in the progress and logged
+    STOP_PREEMPTED_AFTER_CHECKPOINT = "stop_preempted_after_checkpoint"  # a synchronous checkpoint, then stop
+    STOP_PREEMPTED = "stop_preempted"  # stop without a checkpoint: it does not fit in the grace left
+    CHECKPOINT = "checkpoint"
+
+
+# When a step logs, validates or checkpoints (`train.*_interval_*`): one place for the rules.
+# Every worker reaches the same decision at the same step without talking, except for the
+# time-based checkpoint (`checkpoint.interval_s`): wall clocks differ between workers, so
+# rank 0's clock decides, and its wish travels in the step's agreement (`pipeline.train.agreement`).
+# It is asked on log steps only (whose agreement every rank waits for anyway), so a time-based
+# checkpoint comes at most `metrics.log_interval_steps` late.
+class Cadence:
+    """The interval rules of one worker; `checkpointed()` restarts the checkpoint clock."""
+
+    def __init__(self, max_steps: int, metrics: MetricsSection, checkpoint: CheckpointSection, validates: bool):
+        self.max_steps, self.metrics, self.checkpoint, self.validates = max_steps, metrics, checkpoint, validates
+        self.last_checkpoint_t = time.monotonic()
+
+    def _every(self, step: int, interval: int) -> bool:
+        return step % interval == 0 or step == self.max_steps
+
+    def logs(self, step: int) -> bool:
+        return self._every(step, self.metrics.log_interval_steps)
+
+    def validates_at(self, step: int) -> bool:
+        return self.validates and self._every(step, self.metrics.val_loss_interval_steps)
+
+    def syncs(self, step: int) -> bool:
+        """Whether the ranks wait for this step's agreement: it logs or validates."""
+        return self.logs(step) or self.validates_at(step)
+
+    def interval_due(self, step: int) -> bool:
+        """A checkpoint by `checkpoint.interval_steps` (or the last step)."""
+        return self._every(step, self.checkpoint.interval_steps)
+
+    def time_due(self, step: int) -> bool:
+        """This worker's clock says a checkpoint by `checkpoint.interval_s` (asked on log steps)."""
+        return (self.checkpoint.interval_s > 0 and self.logs(step)
+                and time.monotonic() - self.last_checkpoint_t >= self.checkpoint.interval_s)
+
+    def checkpointed(self) -> None:
+        self.last_checkpoint_t = time.monotonic()
+
+
+def decide(agreed: Agreed | None, step: int, cadence: Cadence, early_stop: bool) -> list[Action]:
+    """The actions after `step`, in order. `agreed`: the step's agreement (None: an ordinary step
+    before any agreement was read); `early_stop`: the early-stop rule's verdict at this step."""
+    actions = []
+    if agreed is not None and agreed.log_sums is not None:
+        actions.append(Action.LOG)
+    if agreed is not None and agreed.dev_sums is not None:
+        actions.append(Action.DEV_LOSS)
+    if early_stop:
+        actions.append(Action.EARLY_STOP)
+    # Without a notice on any rank every rank sends no grace (NO_NOTICE): no stop.
+    stop, fits = verdict(agreed)
+    if stop:  # the stop ends the loop: no other checkpoint follows
+        return actions + [Action.STOP_PREEMPTED_AFTER_CHECKPOINT if fits else Action.STOP_PREEMPTED]
+    if early_stop or cadence.interval_due(step) or (agreed is not None and agreed.checkpoint_due):
+        actions.append(Action.CHECKPOINT)
+    return actions

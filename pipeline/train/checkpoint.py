@@ -13,7 +13,7 @@
 Ray Train uploads the folder and registers it only after `ray.train.report` returns; a folder a
 crash leaves half-uploaded is never registered, so never restored nor listed in the outputs.
 
-`Checkpointer` writes and restores (which steps checkpoint: `pipeline.train.actions.Cadence`).
+`Checkpointer` writes and restores (which steps checkpoint: `pipeline.train.agreement.Cadence`).
 """
 
 from __future__ import annotations

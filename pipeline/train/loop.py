@@ -8,7 +8,7 @@ One optimizer step = one step group of ~`train.tokens_per_step` target tokens
 the same global plan and takes its share. The `Trainer` holds the worker's model, optimizer and
 data and runs the loop: each step returns what it did (`StepResult`), which is counted in the
 loop's one state (`LoopState`: the `Progress`, the window since the last log line, the attempt's
-start); the step's agreement then decides, in one pure function (`pipeline.train.actions.decide`),
+start); the step's agreement then decides, in one pure function (`pipeline.train.agreement.decide`),
 the actions the loop carries out in order (`carry_out`). Each of its parts is a unit of its own:
 
     pipeline.train.device      how the worker runs on its device (WorkerDevice): precision and
@@ -18,8 +18,8 @@ the actions the loop carries out in order (`carry_out`). Each of its parts is a 
     pipeline.train.step        one step on the device: accumulation, loss normalization, Adam
     pipeline.train.metrics     the window since the last log line, the progress line, MLflow
     pipeline.train.dev_loss    dev loss and perplexity (DevLoss)
-    pipeline.train.agreement   what the ranks share after a step, in one collective (StepAgreement)
-    pipeline.train.actions     which steps log, validate, checkpoint (Cadence), and what a step's
+    pipeline.train.agreement   what the ranks share after a step, in one collective (StepAgreement),
+                               which steps log, validate, checkpoint (Cadence), and what the step's
                                agreement decides: log, dev loss, early stop, stop for a preemption
                                notice, checkpoint (decide, Action)
     pipeline.train.checkpoint  the checkpoint folder, restored, written and reported (Checkpointer)
@@ -45,8 +45,7 @@ from pipeline.config import from_dict as config_from_dict
 from pipeline.config.devices import on_for
 from pipeline.tracking import spool_dir_for  # imports no MLflow (it loads lazily)
 from pipeline.train import elastic, preemption
-from pipeline.train.actions import Action, Cadence, decide
-from pipeline.train.agreement import Agreed, Local, StepAgreement
+from pipeline.train.agreement import Action, Agreed, Cadence, Local, StepAgreement, decide
 from pipeline.train.checkpoint import Checkpointer, Progress
 from pipeline.train.corpus import load_corpus, load_shared_corpus
 from pipeline.train.dev_loss import DevLoss

@@ -102,16 +102,6 @@ class Notice:
             self._replaced = None
 
 
-def verdict(agreed: Any) -> tuple[bool, bool]:
-    """(stop now, with a checkpoint) from the step's agreement (`pipeline.train.agreement.Agreed`,
-    or None): the same answer on every rank at the same step."""
-    if agreed is None or agreed.grace_left_s >= NO_NOTICE:
-        return False, False
-    # Sent a step ago: that step and a save still have to fit; sent now: the save alone.
-    left_after = agreed.grace_left_s - (agreed.step_and_save_s if agreed.lagged else agreed.save_s)
-    return True, left_after > 0
-
-
 def announce(agreed: Any, step: int, fits: bool) -> None:
     """The warning of a stop at `step` (rank 0 logs it)."""
     log.warning("preemption: the group stops at step %d %s (%.1f s of grace left when agreed; a step "

@@ -1,4 +1,4 @@
-"""What a step's agreement decides (`pipeline.train.actions.decide`), against a hand-written table.
+"""What a step's agreement decides (`pipeline.train.agreement.decide`), against a hand-written table.
 
 Each expected list is written from the loop's rules, not computed: log when the agreement holds
 the window's sums, the dev loss when it holds dev sums, then an early stop, then a stop for a
@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from pipeline.config import CheckpointSection, MetricsSection
-from pipeline.train.actions import Action, Cadence, decide
-from pipeline.train.agreement import NO_NOTICE, Agreed
+from pipeline.train.agreement import NO_NOTICE, Action, Agreed, Cadence, decide
 from pipeline.train.loop import LoopState, StepResult
 
 LOG, DEV, EARLY, CKPT = Action.LOG, Action.DEV_LOSS, Action.EARLY_STOP, Action.CHECKPOINT

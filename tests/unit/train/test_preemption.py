@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeline.train import preemption
-from pipeline.train.agreement import Local, StepAgreement
+from pipeline.train.agreement import Local, StepAgreement, verdict
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer, train_worker
 from tests.unit.train.test_loop import one_thread, shards, tiny_spec  # noqa: F401 (fixtures)
 
@@ -90,7 +90,7 @@ def _rank(rank: int, port: int, notice_rank: int, notice_step: int, out) -> None
             left, step_and_save, save = notice.local(step)
             agreed = agreement.exchange(Local(grace_left_s=left, step_and_save_s=step_and_save, save_s=save),
                                         blocking=False)  # an ordinary step: neither logs nor validates
-            stop, fits = preemption.verdict(agreed)
+            stop, fits = verdict(agreed)
             if stop:
                 out.put((rank, step, fits))
                 break
