@@ -77,11 +77,18 @@ def test_a_bf16_cpu_run_is_autocast_and_tracks_fp32(tmp_path, monkeypatch):
                         or collate(rows, data, layout))
     shards = (write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0),
               write_reverse_task(tmp_path / "dev", 40, VOCAB, seed=1))
-    fp32 = train_worker(tiny_spec(shards, max_steps=6), LocalSession(tmp_path / "a"))
-    assert set(multiples) == {1}
-    multiples.clear()
-    auto = train_worker(tiny_spec(shards, max_steps=6, speed_precision="auto"), LocalSession(tmp_path / "b"))
+    linear_out: list[torch.dtype] = []  # what every nn.Linear of the model returned (PyTorch's global hook)
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: linear_out.append(out.dtype) if isinstance(module, torch.nn.Linear) else None)
+    try:
+        fp32 = train_worker(tiny_spec(shards, max_steps=6), LocalSession(tmp_path / "a"))
+        assert set(multiples) == {1} and set(linear_out) == {torch.float32}
+        multiples.clear(), linear_out.clear()
+        auto = train_worker(tiny_spec(shards, max_steps=6, speed_precision="auto"), LocalSession(tmp_path / "b"))
+    finally:
+        hook.remove()
     assert fp32["precision"] == "fp32" and auto["precision"] == "bf16"
+    assert set(linear_out) == {torch.bfloat16}  # every projection of the model ran under autocast
     assert multiples.count(64) >= 6  # every training micro-batch (validation keeps its whole batches)
     a, b = [h[1] for h in fp32["history_train"]], [h[1] for h in auto["history_train"]]
     assert a != b  # bf16 matmuls round differently: autocast is on
