@@ -41,6 +41,7 @@ model would break the graph into pieces that recompile.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import typing
@@ -247,11 +248,11 @@ class WorkerDevice:
         self.attention: Callable[[], ContextManager] = contextlib.nullcontext  # the steps' SDPA kernel choice
         self.compiler: CountingBackend | None = None  # counts the graphs torch.compile made (speed.compile)
 
-    def autocast(self) -> ContextManager:
-        """The context a forward runs in: autocast to the precision's dtype (none in fp32)."""
+    def autocast_context(self) -> Callable[[], ContextManager]:
+        """What makes the context a forward runs in: autocast to the precision's dtype (none in fp32)."""
         if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+            return contextlib.nullcontext
+        return functools.partial(torch.autocast, self.device.type, dtype=self.autocast_dtype)
 
     def loss_settings(self, model: Any, label_smoothing: float, pad_id: int) -> LossSettings:
         """The steps' and the dev loss's `LossSettings` for `model` (a `model.Transformer`): fp16 (GPUs
@@ -260,7 +261,7 @@ class WorkerDevice:
         scaler = torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
         fused = (FusedOutput(model.output_proj.weight, self.autocast_dtype or torch.float32)
                  if on_for(self.speed.fused_loss, self.device.type) else None)
-        return LossSettings(label_smoothing=label_smoothing, pad_id=pad_id, autocast=self.autocast, scaler=scaler,
+        return LossSettings(label_smoothing=label_smoothing, pad_id=pad_id, autocast=self.autocast_context(), scaler=scaler,
                             fused_output=fused)
 
     def compile(self, model: torch.nn.Module) -> torch.nn.Module:
