@@ -183,7 +183,7 @@ class Action(Enum):
 # When a step logs, validates or checkpoints (`train.*_interval_*`): one place for the rules.
 # Every worker reaches the same decision at the same step without talking, except for the
 # time-based checkpoint (`checkpoint.interval_s`): wall clocks differ between workers, so
-# rank 0's clock decides, and its wish travels in the step's agreement (`pipeline.train.agreement`).
+# rank 0's clock decides, and its wish travels in the step's agreement (`Local.checkpoint_due`).
 # It is asked on log steps only (whose agreement every rank waits for anyway), so a time-based
 # checkpoint comes at most `metrics.log_interval_steps` late.
 class Cadence:

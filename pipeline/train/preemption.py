@@ -12,8 +12,8 @@ How the ranks agree on the step without an extra sync on ordinary steps: each ra
 any rank during step k is then read after step k+1 by every rank, so the checkpoint is at step k+1
 (on one worker, or when step k logs or validates: at step k). It fits when the grace left when it
 was sent, less what still has to run (a step, if one ran since, and a save; before the first
-checkpoint, the step alone), is positive; else the group stops without it and the run resumes from
-the latest interval checkpoint (docs/recovery.md).
+checkpoint, the step alone), is positive (`pipeline.train.agreement.verdict`); else the group stops
+without it and the run resumes from the latest interval checkpoint (docs/recovery.md).
 
 The handler is installed in the process's main thread (a Python rule): by `RaySession` through
 a Ray Train worker callback (the training loop runs in a thread of the worker actor), or by
