@@ -1,5 +1,5 @@
-"""`BufferedRunLogger`: the training loop's metrics, delivered by one thread that does the waiting
-when the server is away; what it still holds at the end goes to the run's `MetricSpool`.
+"""`BufferedRunLogger`: the training loop's metrics, delivered by one thread (`_Delivery`) that does
+the waiting when the server is away; what it still holds at the end goes to the run's `MetricSpool`.
 
 `MetricQueue` holds the points between the loop and that thread, and is the only state they
 share: each of its public methods takes its lock; the calls to the server and to the spool's storage
@@ -194,10 +194,7 @@ class BufferedRunLogger(RunLogger):
         self.spool = LoggerSpool(MetricSpool(spool_dir, run_id), tracking_uri) if spool_dir and run_id else None
         self.spooled = 0  # points written to the spool by close()
         self._queue = MetricQueue(max_points, buffer_s)
-        self._thread: threading.Thread | None = None  # started by the first point
-        # The thread's own: its MlflowClient (made on its first send), when the server stopped answering.
-        self._sender: Any = None
-        self._down_since: float | None = None
+        self._thread: threading.Thread | None = None  # `_Delivery`'s, started by the first point
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("BufferedRunLogger holds a thread: make one per process (pickle a RunLogger)")
@@ -212,7 +209,7 @@ class BufferedRunLogger(RunLogger):
             return
         self._queue.put(QueuedPoint(time.time(), step, dict(metrics)))
         if self._thread is None:
-            self._thread = threading.Thread(target=self._deliver, name="mlflow-metrics", daemon=True)
+            self._thread = threading.Thread(target=_Delivery(self).run, name="mlflow-metrics", daemon=True)
             self._thread.start()
 
     def pending(self) -> int:
@@ -260,52 +257,63 @@ class BufferedRunLogger(RunLogger):
                     "back", len(left), self.tracking_uri, timeout_s, uri)
         return not left
 
-    # --- the delivery thread ----------------------------------------------------------------------
 
-    def _deliver(self) -> None:
-        """The thread: the spool's points first, then batches, until closed with nothing left."""
+class _Delivery:
+    """A `BufferedRunLogger`'s thread: the run's spooled points first, then the queue's in batches,
+    until the logger closes with nothing left; a batch the server does not take stays at the head
+    of the queue and is tried again every `retry_s`. Its own state: its MlflowClient (made on its
+    first send) and when the server stopped answering."""
+
+    def __init__(self, logger: BufferedRunLogger):
+        self.logger, self.queue = logger, logger._queue
+        self.client: Any = None
+        self.down_since: float | None = None
+
+    def run(self) -> None:
         self._load_spool()
-        while (points := self._queue.next_batch(self.batch_points)) is not None:
+        while (points := self.queue.next_batch(self.logger.batch_points)) is not None:
             if self._send_batch(points):
                 self._delivered(points)
             else:
-                self._queue.wait_to_retry(self.retry_s)
+                self.queue.wait_to_retry(self.logger.retry_s)
 
     def _load_spool(self) -> None:
-        """Queue the run's spooled points ahead of this logger's own."""
-        files, points, dropped = self.spool.load() if self.spool is not None else ([], [], 0)
+        """Queue the run's spooled points ahead of the logger's own."""
+        spool = self.logger.spool
+        files, points, dropped = spool.load() if spool is not None else ([], [], 0)
         if files:
-            self._queue.put_spooled(points, files, dropped)
+            self.queue.put_spooled(points, files, dropped)
             log.info("tracking: %d metric point(s) spooled by an earlier worker of run %s go first", len(points),
-                     self.run_id)
+                     self.logger.run_id)
 
     def _send_batch(self, points: list[QueuedPoint]) -> bool:
         """Send `points`, then add the drops not yet counted to the run's tag; False when the
         server did not take them (they stay queued)."""
+        logger = self.logger
         try:
-            if self._sender is None:
+            if self.client is None:
                 from mlflow import MlflowClient
 
-                self._sender = MlflowClient(self.tracking_uri)
-            self._send(self._sender, [p.point() for p in points])
-            untagged = self._queue.untagged_drops()
+                self.client = MlflowClient(logger.tracking_uri)
+            logger._send(self.client, [p.point() for p in points])
+            untagged = self.queue.untagged_drops()
             if untagged > 0:
-                self._add_dropped(self._sender, untagged)
-                self._queue.tagged(untagged)
+                logger._add_dropped(self.client, untagged)
+                self.queue.tagged(untagged)
         except Exception as e:  # noqa: BLE001 (any store error: keep the points, try again)
-            if self._down_since is None:
-                self._down_since = time.time()
+            if self.down_since is None:
+                self.down_since = time.time()
                 log.warning("tracking: MLflow server %s did not take metrics (%s); training goes on, the "
                             "metrics wait (up to tracking.buffer_s=%g s) and are sent when it is back",
-                            self.tracking_uri, short_error(e), self.buffer_s)
+                            logger.tracking_uri, short_error(e), logger.buffer_s)
             return False
         return True
 
     def _delivered(self, points: list[QueuedPoint]) -> None:
         """Forget the sent `points`; remove the spool files whose points are now all delivered."""
-        LoggerSpool.remove(self._queue.remove(points))
-        if self._down_since is not None:
+        LoggerSpool.remove(self.queue.remove(points))
+        if self.down_since is not None:
             log.warning("tracking: MLflow server %s answers again after %.0f s; delivering the buffered "
-                        "metrics (%d point(s) still queued)", self.tracking_uri,
-                        time.time() - self._down_since, self.pending())
-            self._down_since = None
+                        "metrics (%d point(s) still queued)", self.logger.tracking_uri,
+                        time.time() - self.down_since, len(self.queue))
+            self.down_since = None
