@@ -39,15 +39,20 @@ def test_a_plain_step_runs_through_few_files(tmp_path, one_thread):
     before_step = trainer.session.before_step
 
     def switch(step: int) -> None:
-        on.set() if step in TRACED else on.clear()
+        if step in TRACED:
+            on.set()
+        else:
+            on.clear()
         before_step(step)
 
     trainer.session.before_step = switch
-    sys.settrace(tracer), threading.settrace(tracer)  # the prefetch thread starts inside run()
+    sys.settrace(tracer)
+    threading.settrace(tracer)  # the prefetch thread starts inside run()
     try:
         out = trainer.run()
     finally:
-        sys.settrace(None), threading.settrace(None)
+        sys.settrace(None)
+        threading.settrace(None)
     assert out["final_step"] == 40 and out["epoch"] == 0
     files = sorted(seen)
     assert "model/transformer.py" in files and "pipeline/train/token_batches.py" in files  # both threads

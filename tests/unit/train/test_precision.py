@@ -83,7 +83,8 @@ def test_a_bf16_cpu_run_is_autocast_and_tracks_fp32(tmp_path, monkeypatch):
     try:
         fp32 = train_worker(tiny_spec(shards, max_steps=6), LocalSession(tmp_path / "a"))
         assert set(multiples) == {1} and set(linear_out) == {torch.float32}
-        multiples.clear(), linear_out.clear()
+        multiples.clear()
+        linear_out.clear()
         auto = train_worker(tiny_spec(shards, max_steps=6, speed_precision="auto"), LocalSession(tmp_path / "b"))
     finally:
         hook.remove()
