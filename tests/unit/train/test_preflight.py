@@ -10,6 +10,7 @@ from pipeline.train import driver as train
 from pipeline.config import Config
 from pipeline.stage import Manifest, StageContext
 from pipeline.train.corpus import id_range
+from pipeline.train.inputs import TrainInputError
 from tests.support.synthetic import write_reverse_task
 
 VOCAB = 64
@@ -43,14 +44,14 @@ def context(tmp_path, train_dir, dev_dir="", **overrides) -> StageContext:
 
 def test_ids_outside_the_vocabulary(tmp_path):
     bad = write_reverse_task(tmp_path / "train", 50, VOCAB, id_offset=VOCAB)
-    with pytest.raises(train.TrainInputError, match=r"ids in \[\d+, \d+\] but the vocabulary has 64"):
+    with pytest.raises(TrainInputError, match=r"ids in \[\d+, \d+\] but the vocabulary has 64"):
         train.run(context(tmp_path, bad))
 
 
 def test_ids_outside_the_vocabulary_in_the_dev_split(tmp_path):
     good = write_reverse_task(tmp_path / "train", 50, VOCAB)
     bad = write_reverse_task(tmp_path / "dev", 10, VOCAB, id_offset=10)
-    with pytest.raises(train.TrainInputError, match="the dev shards"):
+    with pytest.raises(TrainInputError, match="the dev shards"):
         train.run(context(tmp_path, good, bad))
 
 
@@ -64,32 +65,44 @@ def test_id_range_without_parquet_statistics(tmp_path):
 
 def test_empty_training_set(tmp_path):
     empty = write_reverse_task(tmp_path / "train", 0, VOCAB, num_shards=1)
-    with pytest.raises(train.TrainInputError, match="is empty"):
+    with pytest.raises(TrainInputError, match="is empty"):
         train.run(context(tmp_path, empty))
     (tmp_path / "none").mkdir()
-    with pytest.raises(train.TrainInputError, match="no Parquet shards"):
+    with pytest.raises(TrainInputError, match="no Parquet shards"):
         train.run(context(tmp_path, tmp_path / "none"))
 
 
 def test_every_pair_longer_than_max_len(tmp_path):
     shards = write_reverse_task(tmp_path / "train", 20, VOCAB, min_len=10, max_len=12)
-    with pytest.raises(train.TrainInputError, match="longer than train.max_len=5"):
+    with pytest.raises(TrainInputError, match="longer than train.max_len=5"):
         train.run(context(tmp_path, shards, max_len=5))
 
 
 def test_tokens_per_step_smaller_than_one_sentence(tmp_path):
     shards = write_reverse_task(tmp_path / "train", 20, VOCAB, min_len=10, max_len=12)
-    with pytest.raises(train.TrainInputError, match="tokens_per_step=8 is smaller than one training pair"):
+    with pytest.raises(TrainInputError, match="tokens_per_step=8 is smaller than one training pair"):
         train.run(context(tmp_path, shards, tokens_per_step=8))
 
 
 def test_batch_cap_smaller_than_the_longest_pair(tmp_path):
     shards = write_reverse_task(tmp_path / "train", 20, VOCAB, min_len=10, max_len=12)
-    with pytest.raises(train.TrainInputError, match="max_tokens_per_batch=10 is smaller than the longest"):
+    with pytest.raises(TrainInputError, match="max_tokens_per_batch=10 is smaller than the longest"):
         train.run(context(tmp_path, shards, speed_max_tokens_per_batch=10))
 
 
 def test_max_len_beyond_the_model_positions(tmp_path):
     shards = write_reverse_task(tmp_path / "train", 20, VOCAB)
-    with pytest.raises(train.TrainInputError, match="exceeds model.max_positions"):
+    with pytest.raises(TrainInputError, match="exceeds model.max_positions"):
         train.run(context(tmp_path, shards, max_len=2000))
+
+
+def test_early_stopping_on_a_metric_the_run_will_not_have(tmp_path):
+    shards = write_reverse_task(tmp_path / "train", 20, VOCAB)
+    with pytest.raises(TrainInputError, match="early_stop_metric = 'val_loss', but this run has no such metric: "
+                                              "the encode stage has no dev split"):
+        train.run(context(tmp_path, shards, early_stop_patience=2, early_stop_metric="val_loss"))
+    dev = write_reverse_task(tmp_path / "dev", 10, VOCAB)
+    with pytest.raises(TrainInputError, match="'dev_bleu', but .* names no SentencePiece model"):
+        train.run(context(tmp_path, shards, dev, early_stop_patience=2, early_stop_metric="dev_bleu"))
+    with pytest.raises(AssertionError, match="training started"):  # a dev split: the dev loss exists
+        train.run(context(tmp_path, shards, dev, early_stop_patience=2, early_stop_metric="val_loss"))
