@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -108,32 +109,44 @@ def model_args(a: argparse.Namespace) -> list[str]:
             "--speed.precision=fp32"]
 
 
+def start_driver(a: argparse.Namespace, shards: Path, work: Path, address: str, stamps: Path, run: str
+                 ) -> subprocess.Popen:
+    """The `train` stage's driver (`DRIVER`) on the cluster at `address`, a range of 1-2 workers,
+    every step stamped into `stamps`; its log in work/driver.log."""
+    overrides = [f"--run.ray_address={address}", f"--run.work_dir={work / 'wd'}", "--workers.num_workers=1,2",
+                 "--workers.cpus_per_worker=1", "--workers.use_gpu=false", "--speed.precision=fp32",
+                 f"--train.max_steps={a.max_steps}", "--checkpoint.interval_steps=10",
+                 "--metrics.log_interval_steps=10", "--metrics.val_loss_interval_steps=100000",
+                 "--workers.max_failures=5", "--workers.elastic_resize_interval_s=600", *model_args(a)]
+    env = {**os.environ, "TRANSFORMER_REPRO_SESSION_WRAPPER": f"benchmarks.elastic_bench:stamp:{stamps}",
+           "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(overrides), str(work / "wd/train" / run),
+                             str(shards), str(REPO), run, str(a.vocab)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=open(work / "driver.log", "w"), text=True)
+
+
+def median_step_s(steps: list[tuple[float, int, int, int]], world: int) -> float:
+    """The median time between consecutive steps that a group of `world` workers both ran."""
+    gaps = sorted(b[0] - a[0] for a, b in zip(steps, steps[1:]) if a[2] == b[2] == world and b[1] == a[1] + 1)
+    return gaps[len(gaps) // 2]
+
+
 def cluster_part(a: argparse.Namespace, shards: Path, work: Path) -> dict[str, Any]:
     from tests.support.procs import RayHead, stop, wait_for
-
-    import secrets
 
     stamps, run = work / "stamps.txt", "elastic-bench"
     # As tests/integration/test_cluster_train.py: `ray start` turns token auth on once ~/.ray/auth_token exists.
     os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)})
     head = RayHead(work, num_cpus=1, resources='{"node_a": 1}')
     nodes = [head.add_worker(num_cpus=1, resources='{"node_b": 1}', name="worker-b")]
-    overrides = [f"--run.ray_address={head.address}", f"--run.work_dir={work / 'wd'}", "--workers.num_workers=1,2",
-                 "--workers.cpus_per_worker=1", "--workers.use_gpu=false", "--speed.precision=fp32",
-                 f"--train.max_steps={a.max_steps}", "--checkpoint.interval_steps=10",
-                 "--metrics.log_interval_steps=10", "--metrics.val_loss_interval_steps=100000", "--workers.max_failures=5",
-                 "--workers.elastic_resize_interval_s=600", *model_args(a)]
-    env = {**os.environ, "TRANSFORMER_REPRO_SESSION_WRAPPER": f"benchmarks.elastic_bench:stamp:{stamps}",
-           "PYTHONPATH": str(REPO)}
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(overrides), str(work / "wd/train" / run),
-                               str(shards), str(REPO), run, str(a.vocab)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=open(work / "driver.log", "w"), text=True)
+    driver = start_driver(a, shards, work, head.address, stamps, run)
     run_dir = work / "wd/ray_train" / run
 
     def wait(what: str, cond: Any) -> None:
         wait_for(what, cond, driver, work / "driver.log", timeout_s=600)
 
     try:
+        # A node lost after checkpoint 10: the one-worker group resumes from its latest checkpoint.
         wait("checkpoint 10", lambda: registered_step(run_dir) >= 10)
         before = read_stamps(stamps)
         t_kill = time.time()
@@ -142,6 +155,7 @@ def cluster_part(a: argparse.Namespace, shards: Path, work: Path) -> dict[str, A
         small = [r for r in read_stamps(stamps) if r[2] == 1]
         resumed = small[0][1] - 1
         done_before = max(s for t, s, _, _ in before + [r for r in read_stamps(stamps) if r[0] < t_kill]) - 1
+        # A SIGTERM to the remaining worker a few steps later: it checkpoints the step it is in.
         wait("3 steps on one worker", lambda: read_stamps(stamps)[-1][1] >= resumed + 4)
         last = read_stamps(stamps)[-1]
         t_term = time.time()
@@ -160,9 +174,7 @@ def cluster_part(a: argparse.Namespace, shards: Path, work: Path) -> dict[str, A
             stop(n, timeout_s=5)
         stop(head.proc, timeout_s=5)
     steps = read_stamps(stamps)
-    world2 = [b[0] - a_[0] for a_, b in zip(steps, steps[1:]) if a_[2] == b[2] == 2 and b[1] == a_[1] + 1]
-    world1 = [b[0] - a_[0] for a_, b in zip(steps, steps[1:]) if a_[2] == b[2] == 1 and b[1] == a_[1] + 1]
-    return {"step_s_2_workers": sorted(world2)[len(world2) // 2], "step_s_1_worker": sorted(world1)[len(world1) // 2],
+    return {"step_s_2_workers": median_step_s(steps, 2), "step_s_1_worker": median_step_s(steps, 1),
             "node_loss_to_first_step_s": small[0][0] - t_kill, "node_loss_resumed_from": resumed,
             "node_loss_steps_done_before": done_before, "node_loss_steps_lost": done_before - resumed,
             "sigterm_during_step": signalled_step, "sigterm_resumed_from": after[1] - 1,
@@ -199,7 +211,7 @@ def outage_part(a: argparse.Namespace, shards: Path, work: Path, buffered: bool)
             def close(self) -> None:  # nothing buffered
                 pass
 
-        metrics._make_tracker = lambda uri, run_id, buffer_s: SyncLogger(uri, run_id)
+        metrics._make_tracker = lambda uri, run_id, buffer_s, spool_dir=None: SyncLogger(uri, run_id)
     try:
         client = MlflowClient(server.uri)
         run_id = client.create_run(client.create_experiment("outage")).info.run_id
@@ -208,7 +220,12 @@ def outage_part(a: argparse.Namespace, shards: Path, work: Path, buffered: bool)
         trainer = Trainer(spec, LocalSession(work / ("ck-b" if buffered else "ck-s")))
         times: list[tuple[float, int]] = []
         inner = trainer.session.before_step
-        trainer.session.before_step = lambda step: (times.append((time.time(), step)), inner(step))[1]
+
+        def stamped(step: int) -> None:
+            times.append((time.time(), step))
+            inner(step)
+
+        trainer.session.before_step = stamped
         th = threading.Thread(target=trainer.run, daemon=True)
         th.start()
         while trainer.progress.step < 20:
@@ -224,11 +241,16 @@ def outage_part(a: argparse.Namespace, shards: Path, work: Path, buffered: bool)
     finally:
         metrics._make_tracker = original
         server.stop()
+    return {"logger": "BufferedRunLogger" if buffered else "RunLogger (sync)", **outage_figures(times, t0, t1)}
+
+
+def outage_figures(times: list[tuple[float, int]], t0: float, t1: float) -> dict[str, float]:
+    """The steps' durations around an outage from t0 to t1, from each step's (start time, step)."""
     gaps = [(b[0] - x[0], x[0]) for x, b in zip(times, times[1:])]
-    usual = sorted(g for g, t in gaps if t < t0)[len([g for g, t in gaps if t < t0]) // 2]
+    before = sorted(g for g, t in gaps if t < t0)
+    usual = before[len(before) // 2]  # the median step before the outage
     during = [g for g, t in gaps if t0 <= t < t1]
-    return {"logger": "BufferedRunLogger" if buffered else "RunLogger (sync)", "usual_step_s": usual,
-            "longest_step_in_outage_s": max(during) if during else t1 - t0,
+    return {"usual_step_s": usual, "longest_step_in_outage_s": max(during) if during else t1 - t0,
             "steps_in_outage": len(during), "steps_expected": (t1 - t0) / usual, "outage_s": t1 - t0}
 
 

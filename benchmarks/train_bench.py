@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import math
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,18 +40,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model import ModelConfig, Transformer, make_optimizer, make_scheduler
-from pipeline.batch_plan import step_groups
-from pipeline.train import token_batches
-from pipeline.train.token_batches import BatchLayout
-from pipeline.config import Config
-from pipeline.cpu_threads import use_threads
-from pipeline.train.corpus import load_corpus
-from pipeline.train.loop import LocalSession, LoopSpec, Trainer
-from pipeline.train.device import resolve_precision, row_multiple
-from pipeline.train.feeder import to_device
-from pipeline.train.step import LossSettings, accumulate_gradients, optimizer_step
-from tests.support.synthetic import write_reverse_task
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.support, when run as a script
+
+from model import ModelConfig, Transformer, make_optimizer, make_scheduler  # noqa: E402
+from pipeline.batch_plan import step_groups  # noqa: E402
+from pipeline.train import token_batches  # noqa: E402
+from pipeline.train.token_batches import BatchLayout  # noqa: E402
+from pipeline.config import Config  # noqa: E402
+from pipeline.cpu_threads import use_threads  # noqa: E402
+from pipeline.train.corpus import load_corpus  # noqa: E402
+from pipeline.train.loop import LocalSession, LoopSpec, Trainer  # noqa: E402
+from pipeline.train.device import resolve_precision, row_multiple  # noqa: E402
+from pipeline.train.feeder import to_device  # noqa: E402
+from pipeline.train.step import LossSettings, accumulate_gradients, optimizer_step  # noqa: E402
+from tests.support.synthetic import write_reverse_task  # noqa: E402
 
 
 def build(args, work: Path, train_dir: str = "") -> tuple[dict, Config, ModelConfig]:
