@@ -163,31 +163,10 @@ def write_figure(results: list[dict[str, Any]], path: str, title: str = "", pape
     axes = fig.subplots(2, 1, sharex=True)
     for ax, key, paper_i, label, fmt in ((axes[0], "ppl_dev", 1, "dev PPL (per piece, log)", ".2f"),
                                          (axes[1], "bleu_dev", 2, "dev BLEU", ".1f")):
-        paper = [ROWS[r][paper_i] if papers else None for r in rows]
-        shown = [(x, p) for x, p in zip(xs, paper) if p is not None]
-        if shown:
-            ax.plot(*zip(*shown), "D", color="#888888", mfc="none", ms=7, label="paper", zorder=3)
-        for x, r, p in zip(xs, rows, paper):
-            v = by_row[r].get(key)
-            if v is None:
-                ax.annotate("failed" if by_row[r].get("status") == "failed" else "n/a", (x, 0),
-                            xytext=(0, 9), textcoords="offset points", ha="center", color="#c0392b", fontsize=8,
-                            xycoords=("data", "axes fraction"))
-                continue
-            if p is not None:
-                ax.plot([x, x], [p, v], color="#c8d6e5", lw=2, zorder=1)
-            ax.plot([x], [v], "o", color="#3b75af", ms=7, zorder=4, label="ours" if "ours" not in
-                    [t.get_label() for t in ax.lines] else "_")
-            ax.annotate(format(v, fmt), (x, v), xytext=(7, 0), textcoords="offset points", va="center", fontsize=7)
-        ax.margins(x=0.08, y=0.15)
-        if key == "ppl_dev":
-            ax.set_yscale("log")
-        else:
-            ax.set_ylim(bottom=0)
+        _panel(ax, [by_row[r] for r in rows], xs, [ROWS[r][paper_i] if papers else None for r in rows], key, fmt)
         ax.set_ylabel(label)
         for _, x0, _ in spans[1:]:
             ax.axvline(x0 - 0.9, color="#dddddd", lw=0.8)
-        ax.grid(axis="y", color="#eeeeee", which="both")
     axes[0].legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, frameon=False)
     axes[1].set_xticks(xs, rows, fontsize=8)
     for name, x0, x1 in spans:
@@ -199,3 +178,31 @@ def write_figure(results: list[dict[str, Any]], path: str, title: str = "", pape
     fig.tight_layout()
     fig.subplots_adjust(bottom=0.13)
     fig.savefig(path, dpi=110)
+
+
+def _panel(ax: Any, results: list[dict[str, Any]], xs: list[float], paper: list[float | None], key: str,
+           fmt: str) -> None:
+    """One metric (``key``: ppl_dev on a log axis, else bleu_dev from 0) of each row at ``xs``: the
+    paper's value (an open diamond), ours (a point, labelled) and a line between; "failed" or "n/a"
+    where a row has none."""
+    shown = [(x, p) for x, p in zip(xs, paper) if p is not None]
+    if shown:
+        ax.plot(*zip(*shown), "D", color="#888888", mfc="none", ms=7, label="paper", zorder=3)
+    for x, r, p in zip(xs, results, paper):
+        v = r.get(key)
+        if v is None:
+            ax.annotate("failed" if r.get("status") == "failed" else "n/a", (x, 0),
+                        xytext=(0, 9), textcoords="offset points", ha="center", color="#c0392b", fontsize=8,
+                        xycoords=("data", "axes fraction"))
+            continue
+        if p is not None:
+            ax.plot([x, x], [p, v], color="#c8d6e5", lw=2, zorder=1)
+        ax.plot([x], [v], "o", color="#3b75af", ms=7, zorder=4, label="ours" if "ours" not in
+                [t.get_label() for t in ax.lines] else "_")
+        ax.annotate(format(v, fmt), (x, v), xytext=(7, 0), textcoords="offset points", va="center", fontsize=7)
+    ax.margins(x=0.08, y=0.15)
+    if key == "ppl_dev":
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    ax.grid(axis="y", color="#eeeeee", which="both")
