@@ -184,6 +184,8 @@ def main() -> None:
     p.add_argument("--also", default="", help="--stall: a third run with these overrides (space-separated)")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    if not (args.validation or args.stall):
+        p.error("nothing to measure: give --validation, --stall or both")
     out = {}
     if args.validation:
         out.update(bench_validation(args))
