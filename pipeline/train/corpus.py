@@ -165,50 +165,56 @@ def _write_copy(dir_uri: str, folder: Path) -> None:
     t0 = time.perf_counter()
     files, fs = shard_files(dir_uri), _filesystem(dir_uri)
     threads = max(1, min(4, os.cpu_count() or 1, len(files)))
-    with ThreadPoolExecutor(threads, thread_name_prefix="corpus-copy") as pool:
-        lengths = list(pool.map(lambda f: _shard_lengths(f, fs), files))
-        src_len = np.concatenate([a for a, _ in lengths]) if files else np.zeros(0, np.int64)
-        tgt_len = np.concatenate([b for _, b in lengths]) if files else np.zeros(0, np.int64)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        try:
-            out = {"src_len": src_len.astype(np.int32), "tgt_len": tgt_len.astype(np.int32)}
-            for side, lens in (("src", src_len), ("tgt", tgt_len)):
-                offsets = np.zeros(len(lens) + 1, np.int64)
-                np.cumsum(lens, out=offsets[1:])
-                out[f"{side}_offsets"] = offsets
-            for name, arr in out.items():
-                np.save(tmp / f"{name}.npy", arr)
-            values = {side: np.lib.format.open_memmap(tmp / f"{side}_values.npy", mode="w+", dtype=np.int32,
-                                                      shape=(int(out[f"{side}_offsets"][-1]),))
-                      for side in ("src", "tgt")}
-            # Where each shard's pieces start in the flat arrays, per side.
-            starts = {side: np.concatenate([[0], np.cumsum([int(l[j].sum()) for l in lengths])])
-                      for j, side in enumerate(("src", "tgt"))}
-
-            def convert(k: int) -> None:
-                table = pq.read_table(files[k], columns=list(ID_COLUMNS), filesystem=fs)
-                for side in ("src", "tgt"):
-                    flat, _ = _flat(table.column(f"{side}_ids"))
-                    lo, hi = int(starts[side][k]), int(starts[side][k + 1])
-                    if len(flat) != hi - lo:
-                        raise ValueError(f"{files[k]}: the {side}_len column disagrees with {side}_ids "
-                                         f"({hi - lo} vs {len(flat)} pieces): re-encode this split")
-                    values[side][lo:hi] = flat
-
-            list(pool.map(convert, range(len(files))))
-            for arr in values.values():
-                arr.flush()
-            del values
-            _evict_stale(folder.parent, dir_uri)
-            (tmp / "DONE").write_text(f"{dir_uri}\n")
-            if folder.exists():  # a copy left half-written by a killed writer (no DONE file)
-                shutil.rmtree(folder)
-            os.replace(tmp, folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="corpus-copy") as pool:
+            pairs = _convert(files, fs, pool, tmp)
+        _evict_stale(folder.parent, dir_uri)
+        (tmp / "DONE").write_text(f"{dir_uri}\n")
+        if folder.exists():  # a copy left half-written by a killed writer (no DONE file)
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     log.info("corpus: %d pairs of %s copied to %s in %.1f s (%d threads; shared by this node's workers)",
-             len(src_len), dir_uri, folder, time.perf_counter() - t0, threads)
+             pairs, dir_uri, folder, time.perf_counter() - t0, threads)
+
+
+def _convert(files: list[str], fs: pafs.FileSystem, pool: ThreadPoolExecutor, tmp: Path) -> int:
+    """The shards' lengths, offsets and flat ids as .npy files in `tmp`, a shard per task of `pool`;
+    the number of pairs."""
+    lengths = list(pool.map(lambda f: _shard_lengths(f, fs), files))
+    src_len = np.concatenate([a for a, _ in lengths]) if files else np.zeros(0, np.int64)
+    tgt_len = np.concatenate([b for _, b in lengths]) if files else np.zeros(0, np.int64)
+    out = {"src_len": src_len.astype(np.int32), "tgt_len": tgt_len.astype(np.int32)}
+    for side, lens in (("src", src_len), ("tgt", tgt_len)):
+        offsets = np.zeros(len(lens) + 1, np.int64)
+        np.cumsum(lens, out=offsets[1:])
+        out[f"{side}_offsets"] = offsets
+    for name, arr in out.items():
+        np.save(tmp / f"{name}.npy", arr)
+    values = {side: np.lib.format.open_memmap(tmp / f"{side}_values.npy", mode="w+", dtype=np.int32,
+                                              shape=(int(out[f"{side}_offsets"][-1]),))
+              for side in ("src", "tgt")}
+    # Where each shard's pieces start in the flat arrays, per side.
+    starts = {side: np.concatenate([[0], np.cumsum([int(l[j].sum()) for l in lengths])])
+              for j, side in enumerate(("src", "tgt"))}
+
+    def convert(k: int) -> None:
+        table = pq.read_table(files[k], columns=list(ID_COLUMNS), filesystem=fs)
+        for side in ("src", "tgt"):
+            flat, _ = _flat(table.column(f"{side}_ids"))
+            lo, hi = int(starts[side][k]), int(starts[side][k + 1])
+            if len(flat) != hi - lo:
+                raise ValueError(f"{files[k]}: the {side}_len column disagrees with {side}_ids "
+                                 f"({hi - lo} vs {len(flat)} pieces): re-encode this split")
+            values[side][lo:hi] = flat
+
+    list(pool.map(convert, range(len(files))))
+    for arr in values.values():
+        arr.flush()
+    return len(src_len)
 
 
 def _shard_lengths(path: str, fs: pafs.FileSystem) -> tuple[np.ndarray, np.ndarray]:

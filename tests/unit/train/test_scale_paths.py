@@ -127,6 +127,34 @@ def test_shared_corpus_is_rebuilt_when_the_shards_change(tmp_path):
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 1  # the stale copy is evicted
 
 
+def test_a_shard_whose_lengths_disagree_with_its_ids_is_refused_and_leaves_no_copy(tmp_path):
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    split = write_reverse_task(tmp_path / "train", 40, VOCAB, seed=0, num_shards=2)
+    shard = sorted(Path(split).glob("*.parquet"))[1]
+    table = pq.read_table(shard)
+    longer = pc.add(table.column("src_len"), 1).cast(table.schema.field("src_len").type)
+    pq.write_table(table.set_column(table.schema.get_field_index("src_len"), "src_len", longer), shard)
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match=f"{shard.name}: the src_len column disagrees with src_ids.*re-encode"):
+        load_shared_corpus(str(split), cache)
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == []  # neither a copy nor its temp folder
+
+
+def test_a_half_written_copy_is_replaced(tmp_path):
+    split = write_reverse_task(tmp_path / "train", 30, VOCAB, seed=0)
+    cache = tmp_path / "cache"
+    first = load_shared_corpus(str(split), cache)
+    folder = first.files["src_values"].parent
+    (folder / "DONE").unlink()  # as a writer killed before it published the copy leaves it
+    (folder / "src_values.npy").write_bytes(b"truncated")
+    again = load_shared_corpus(str(split), cache)
+    ref = load_corpus(str(split))
+    assert again.files["src_values"].parent == folder and (folder / "DONE").exists()
+    assert np.array_equal(again.src_values, ref.src_values) and np.array_equal(again.tgt_offsets, ref.tgt_offsets)
+
+
 def test_checkpoint_stores_tied_weights_once_and_loads_them_tied(tmp_path):
     mc = ModelConfig(vocab_size=512, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1)
     model = Transformer(mc)
