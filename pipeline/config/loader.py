@@ -44,6 +44,18 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
         return [coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    out = _scalar(value, tp)
+    if out is _NOT_OF_TYPE:
+        raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__} {value!r}")
+    return out
+
+
+_NOT_OF_TYPE = object()
+
+
+def _scalar(value: Any, tp: Any) -> Any:
+    """`value` as the scalar type `tp` (None, bool, int, float or str; a string from the command line
+    parsed), or `_NOT_OF_TYPE`."""
     if tp is type(None):  # `int | None`: None (a dict from `to_dict`), or "none" from the command line
         if value is None or (isinstance(value, str) and value.lower() == "none"):
             return None
@@ -71,7 +83,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
-    raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__} {value!r}")
+    return _NOT_OF_TYPE
 
 
 def _apply(cfg: Config, values: dict[str, Any], origin: str) -> None:
