@@ -65,11 +65,12 @@ class AttentionCall(NamedTuple):
 
 
 def _keep_call(module: ScaledDotProductAttention, args: tuple) -> None:
-    """The forward pre-hook: the call's (q, k, v, attn_mask, is_causal, scale), all positional, into
-    this thread's recording, if there is one (never while torch.compile traces)."""
+    """The forward pre-hook: the call's (q, k, v, mask, scale), all positional, into this thread's
+    recording, if there is one (never while torch.compile traces)."""
     calls = getattr(_RECORDING, "calls", None)
     if calls is not None and not torch.compiler.is_compiling():
-        calls.append(AttentionCall(*args))
+        q, k, v, mask, scale = args
+        calls.append(AttentionCall(q, k, v, mask.keys, mask.causal, scale))
 
 
 def _hook(model: torch.nn.Module) -> None:

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .kernels import add_into
-from .layout import Heads, Positions, key_padding_to_attn_mask
+from .layout import Heads, Mask, Positions, key_padding_to_attn_mask
 
 
 Linear = tuple[torch.Tensor, torch.Tensor]  # (W.T contiguous (d_in, d_out), bias)
@@ -201,9 +201,9 @@ def start(model: Any, memory: torch.Tensor, src_pad_mask: torch.Tensor, beam_siz
         raise ValueError(f"max_len={max_len} must be in [1, max_positions={cfg.max_positions}]")
     B, S, d = memory.shape
     h, heads = cfg.n_heads, layers[0].self_attn.heads
-    at = Positions(~src_pad_mask)  # K/V only at real source positions (0 at padding, masked)
-    memory = at.pack(memory)  # (Ms, d)
-    cross_kv = torch.stack([layer.cross_attn.project_kv(memory, at) for layer in layers])
+    source = Mask(at=Positions(~src_pad_mask))  # K/V only at real source positions (0 at padding, masked)
+    memory = source.at.pack(memory)  # (Ms, d)
+    cross_kv = torch.stack([layer.cross_attn.project_kv(memory, source) for layer in layers])
     self_kv = cross_kv.new_empty(len(layers), 2, B * beam_size, h, max_len, heads.hs)
     output_weight_t = model.output_proj.weight.t().contiguous()
     return DecoderState(self_kv=self_kv, cross_kv=cross_kv, cross_mask=key_padding_to_attn_mask(src_pad_mask),

@@ -1,5 +1,6 @@
-"""How the paper's (B, T, d) tensors are laid out around attention, and back: the heads and the
-real positions. The layers of `model.transformer` call these; nothing here learns.
+"""How the paper's (B, T, d) tensors are laid out around attention, and back: the heads, the
+real positions, and the `Mask` each attention call gets. The attention blocks of
+`model.transformer` call these; the layers only pass a `Mask` on. Nothing here learns.
 
 Heads (Table 3 rows A, B: d_k and d_v independent of d_model / h). The fused projections keep one
 tensor layout for every variant: each head's q, k, v are zero-padded to hs = max(d_k, d_v). Zero
@@ -9,8 +10,10 @@ and the padded value columns are dropped before W_O, so the result is the paper'
 
 Real positions (right padding). Position-wise work (projections, FFN, LayerNorm, dropout) runs on
 the M real positions only, as (M, d) rows (`Positions.pack`); attention scatters them back into
-(B, T, .) (`Positions.unpack`). Outputs at pad positions are never computed. Boolean attention
-masks follow `F.scaled_dot_product_attention`: True = this key may be attended to.
+(B, T, .) (`Positions.unpack`). Outputs at pad positions are never computed. An attention block
+learns of it only through its `Mask`: `Mask.split_heads` and `Mask.merge_heads` do the scatter and
+the gather with the heads' split and merge, and are the heads' alone when the stream is (B, T, d).
+Boolean attention masks follow `F.scaled_dot_product_attention`: True = this key may be attended to.
 """
 
 from __future__ import annotations
@@ -84,6 +87,32 @@ class Positions:
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, ...) -> (M, ...)."""
         return x.reshape(self.B * self.T, *x.shape[2:]).index_select(0, self.index)
+
+
+class Mask:
+    """What one attention call may see (§3.2.3), and where its batch's positions are.
+
+    `keys` (B, 1, 1, S) bool, True = the key may be attended to (the source's padding), or None;
+    `causal`: the query at position t sees the keys at positions <= t only (the decoder's
+    self-attention: right padding puts every pad key after every real query, so this suffices).
+    `at`: the residual stream around this attention holds its queries' batch as the M real
+    positions' (M, d) rows (`Positions`); None: as (B, T, d)."""
+
+    def __init__(self, keys: torch.Tensor | None = None, causal: bool = False, at: Positions | None = None):
+        self.keys, self.causal, self.at = keys, causal, at
+
+    def split_heads(self, x: torch.Tensor, heads: Heads, sizes: tuple[int, ...]) -> torch.Tensor:
+        """Fused projections of the stream, (B, T, h * sum(sizes)) or (M, ...) -> (len(sizes), B, h, T, hs)."""
+        return heads.split(x if self.at is None else self.at.unpack(x), sizes)
+
+    def split_queries(self, x: torch.Tensor, heads: Heads) -> torch.Tensor:
+        """One projection of the stream, (B, T, h * d_k) or (M, ...) -> (B, h, T, hs)."""
+        return heads.split_queries(x if self.at is None else self.at.unpack(x))
+
+    def merge_heads(self, y: torch.Tensor, heads: Heads) -> torch.Tensor:
+        """Attention's output (B, h, T, hs) -> the stream's (B, T, h * d_v), or its (M, h * d_v) rows."""
+        y = heads.merge(y)
+        return y if self.at is None else self.at.pack(y)
 
 
 @dataclass(frozen=True)

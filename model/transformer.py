@@ -7,9 +7,10 @@ pieces + [eos]; right-padded with pad_id. Shapes: B sentences, S source / T targ
 (non-pad) positions, d = d_model, h = n_heads, d_k / d_v the per-head widths (Table 3 A/B),
 hs = max(d_k, d_v) (`model.layout`), V = vocab_size.
 
-Beside it: `layout` (the heads, the real positions, masks), `kernels` (CPU kernels, by the `cpu_kernels`
-option), `incremental` (decoding one token at a time: the KV cache, the beams), `attention_weights`
-(what attention sees, recorded by hooking `ScaledDotProductAttention` from outside).
+Beside it: `layout` (the heads, the real positions, the `Mask` an attention call gets: the layers
+only pass it on), `kernels` (CPU kernels, by the `cpu_kernels` option), `incremental` (decoding one
+token at a time: the KV cache, the beams), `attention_weights` (what attention sees, recorded by
+hooking `ScaledDotProductAttention` from outside).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from . import incremental
 from .config import ModelConfig
 from .kernels import Dropout, add_into, sdpa
-from .layout import Heads, NonPad, Positions, key_padding_to_attn_mask
+from .layout import Heads, Mask, NonPad, Positions, key_padding_to_attn_mask
 
 
 def sinusoid_table(n_positions: int, d_model: int) -> torch.Tensor:
@@ -70,13 +71,14 @@ def _init_linear(linear: nn.Linear, blocks: int | list[int] = 1) -> None:
 
 
 class ScaledDotProductAttention(nn.Module):
-    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (§3.2.1), all heads at once (SDPA). Nothing
-    to learn; a module of its own so that what it attends to can be read from outside
-    (`attention_weights.record_attention` hooks it). Called with every argument positional."""
+    """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V (§3.2.1), all heads at once (SDPA), each
+    query over the keys `mask` allows (§3.2.3). Nothing to learn; a module of its own so that what
+    it attends to can be read from outside (`attention_weights.record_attention` hooks it). Called
+    with every argument positional."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
-                is_causal: bool, scale: float | None) -> torch.Tensor:
-        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float | None
+                ) -> torch.Tensor:
+        return sdpa(q, k, v, attn_mask=mask.keys, is_causal=mask.causal, scale=scale)
 
 
 def _add_dropped(x: torch.Tensor, y: torch.Tensor, dropout: nn.Dropout) -> torch.Tensor:
@@ -129,18 +131,14 @@ class SelfAttention(nn.Module):
         _init_linear(self.qkv_proj, [h * dk, h * dk, h * dv])
         _init_linear(self.out_proj)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False,
-                at: Positions | None = None) -> torch.Tensor:
-        """x (B, T, d) -> (B, T, d). With `at`, x and the result are the (M, d) real positions of a
-        (B, T) batch."""
+    def forward(self, x: torch.Tensor, mask: Mask) -> torch.Tensor:
+        """x (B, T, d) -> (B, T, d), each position attending over the positions `mask` allows (the
+        rows of x and of the result are the batch's real positions when `mask.at` says so)."""
         hd = self.heads
-        qkv = self.qkv_proj(x) if at is None else at.unpack(self.qkv_proj(x))  # (B, T, 3hs'), 0 at pads
-        qkv = hd.split(qkv, (hd.d_k, hd.d_k, hd.d_v))
-        q, k, v = qkv  # each (B, h, T, hs)
+        q, k, v = mask.split_heads(self.qkv_proj(x), hd, (hd.d_k, hd.d_k, hd.d_v))  # each (B, h, T, hs)
         if self.rotary is not None:  # Su et al. (2021): q and k rotated by their positions
             q, k = self.rotary(q), self.rotary(k)
-        y = hd.merge(self.attention(q, k, v, attn_mask, is_causal, hd.scale))  # (B, T, h * d_v)
-        return self.out_proj(y if at is None else at.pack(y))
+        return self.out_proj(mask.merge_heads(self.attention(q, k, v, mask, hd.scale), hd))  # W_O
 
 
 class CrossAttention(nn.Module):
@@ -165,19 +163,17 @@ class CrossAttention(nn.Module):
         _init_linear(self.kv_proj, [h * dk, h * dv])
         _init_linear(self.out_proj)
 
-    def project_kv(self, memory: torch.Tensor, at: Positions | None = None) -> torch.Tensor:
-        """memory (B, S, d), or its (M, d) real positions `at` -> (2, B, h, S, hs)."""
-        kv = self.kv_proj(memory) if at is None else at.unpack(self.kv_proj(memory))
-        return self.heads.split(kv, (self.heads.d_k, self.heads.d_v))  # (2, B, h, S, hs)
+    def project_kv(self, memory: torch.Tensor, layout: Mask | None = None) -> torch.Tensor:
+        """memory (B, S, d), or its real positions as the encoder's `layout.at` has them -> K and V
+        (2, B, h, S, hs)."""
+        return (layout or Mask()).split_heads(self.kv_proj(memory), self.heads, (self.heads.d_k, self.heads.d_v))
 
-    def forward(self, x: torch.Tensor, kv: torch.Tensor, attn_mask: torch.Tensor,
-                at: Positions | None = None) -> torch.Tensor:
-        """x (B, T, d); kv (2, B, h, S, hs) (`project_kv`); attn_mask (B, 1, 1, S) -> (B, T, d).
-        With `at`, x and the result are the (M, d) real positions of a (B, T) batch."""
+    def forward(self, x: torch.Tensor, kv: torch.Tensor, mask: Mask) -> torch.Tensor:
+        """x (B, T, d); kv (2, B, h, S, hs) (`project_kv`) -> (B, T, d), each query over the source
+        positions `mask.keys` allows (its rows as `SelfAttention`'s)."""
         hd = self.heads
-        q = hd.split_queries(self.q_proj(x) if at is None else at.unpack(self.q_proj(x)))  # (B, h, T, hs)
-        y = hd.merge(self.attention(q, kv[0], kv[1], attn_mask, False, hd.scale))  # (B, T, h * d_v)
-        return self.out_proj(y if at is None else at.pack(y))
+        q = mask.split_queries(self.q_proj(x), hd)  # (B, h, T, hs)
+        return self.out_proj(mask.merge_heads(self.attention(q, kv[0], kv[1], mask, hd.scale), hd))
 
 
 class FeedForward(nn.Module):
@@ -226,9 +222,8 @@ class EncoderLayer(nn.Module):
         self.dropout = Dropout(cfg.dropout, cpu_kernels)
         self.pre_norm = cfg.norm_position == "pre"
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None,
-                at: Positions | None = None) -> torch.Tensor:  # (B, S, d), or (M, d) at real positions
-        x = _residual(x, lambda y: self.self_attn(y, attn_mask, at=at), self.norm1, self.dropout, self.pre_norm)
+    def forward(self, x: torch.Tensor, mask: Mask) -> torch.Tensor:  # (B, S, d) -> (B, S, d)
+        x = _residual(x, lambda y: self.self_attn(y, mask), self.norm1, self.dropout, self.pre_norm)
         return _residual(x, self.ffn, self.norm2, self.dropout, self.pre_norm)
 
 
@@ -246,12 +241,10 @@ class DecoderLayer(nn.Module):
         self.dropout = Dropout(cfg.dropout, cpu_kernels)
         self.pre_norm = cfg.norm_position == "pre"
 
-    def forward(self, x: torch.Tensor, cross_kv: torch.Tensor, cross_mask: torch.Tensor,
-                self_mask: torch.Tensor | None = None, is_causal: bool = False,
-                at: Positions | None = None) -> torch.Tensor:  # (B, T, d), or (M, d) at real positions
-        x = _residual(x, lambda y: self.self_attn(y, self_mask, is_causal, at), self.norm1,
-                      self.dropout, self.pre_norm)
-        x = _residual(x, lambda y: self.cross_attn(y, cross_kv, cross_mask, at), self.norm2, self.dropout,
+    def forward(self, x: torch.Tensor, cross_kv: torch.Tensor, self_mask: Mask, cross_mask: Mask
+                ) -> torch.Tensor:  # (B, T, d) -> (B, T, d); cross_kv: `CrossAttention.project_kv`'s
+        x = _residual(x, lambda y: self.self_attn(y, self_mask), self.norm1, self.dropout, self.pre_norm)
+        x = _residual(x, lambda y: self.cross_attn(y, cross_kv, cross_mask), self.norm2, self.dropout,
                       self.pre_norm)
         return _residual(x, self.ffn, self.norm3, self.dropout, self.pre_norm)
 
@@ -325,23 +318,23 @@ class Transformer(nn.Module):
         return self.dropout(x) if self.training else x
 
     def _encode(self, src_ids: torch.Tensor, src_index: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, Positions, torch.Tensor]:
-        """The encoder at real source positions only: memory (Ms, d), those positions, src_pad_mask."""
+                ) -> tuple[torch.Tensor, Mask, torch.Tensor]:
+        """The encoder at real source positions only: memory (Ms, d), its self-attention's mask
+        (the source's padding; its `at`, those positions), src_pad_mask."""
         src_pad_mask = src_ids.eq(self.cfg.pad_id)  # (B, S)
-        attn_mask = key_padding_to_attn_mask(src_pad_mask)  # (B, 1, 1, S)
-        at = Positions(~src_pad_mask, src_index)
-        x = at.pack(self.embed(self.src_embed, src_ids))  # (Ms, d)
+        mask = Mask(keys=key_padding_to_attn_mask(src_pad_mask), at=Positions(~src_pad_mask, src_index))
+        x = mask.at.pack(self.embed(self.src_embed, src_ids))  # (Ms, d)
         for layer in self.encoder_layers:
-            x = layer(x, attn_mask, at)
+            x = layer(x, mask)
         if self.encoder_norm is not None:  # pre-norm's final norm
             x = self.encoder_norm(x)
-        return x, at, src_pad_mask
+        return x, mask, src_pad_mask
 
     def encode(self, src_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """src_ids (B, S) -> memory (B, S, d), 0 at padding; src_pad_mask (B, S) bool True = pad.
         Every row needs >= 1 real token (sources end with eos), or attention rows are all masked."""
-        memory, at, src_pad_mask = self._encode(src_ids)
-        return at.unpack(memory), src_pad_mask
+        memory, mask, src_pad_mask = self._encode(src_ids)
+        return mask.at.unpack(memory), src_pad_mask
 
     def forward(self, src_ids: torch.Tensor, tgt_in_ids: torch.Tensor, nonpad: NonPad | None = None
                 ) -> torch.Tensor:
@@ -353,14 +346,14 @@ class Transformer(nn.Module):
         and loss there (a step's largest matmul). The encoder always skips padding. The causal mask
         suffices: right padding puts every pad key after every real query."""
         src_index, tgt_index = (None, None) if nonpad is None else (nonpad.src_index, nonpad.tgt_index)
-        memory, memory_at, src_pad_mask = self._encode(src_ids, src_index)
-        cross_mask = key_padding_to_attn_mask(src_pad_mask)  # (B, 1, 1, S)
+        memory, source, _ = self._encode(src_ids, src_index)
         at = None if nonpad is None else Positions(tgt_in_ids.ne(self.cfg.pad_id), tgt_index)
+        self_mask, cross_mask = Mask(causal=True, at=at), Mask(keys=source.keys, at=at)
         x = self.embed(self.tgt_embed, tgt_in_ids)  # (B, T, d)
         if at is not None:
             x = at.pack(x)  # (M, d)
         for layer in self.decoder_layers:
-            x = layer(x, layer.cross_attn.project_kv(memory, memory_at), cross_mask, is_causal=True, at=at)
+            x = layer(x, layer.cross_attn.project_kv(memory, source), self_mask, cross_mask)
         if self.decoder_norm is not None:  # pre-norm's final norm
             x = self.decoder_norm(x)
         return x  # (B, T, d), or (M, d) at the real target positions `at`

@@ -9,7 +9,7 @@ import torch
 from model import ModelConfig, Transformer, beam_search
 from model.search import _topk_rows
 from model.incremental import DecoderState
-from model.layout import Positions, key_padding_to_attn_mask
+from model.layout import Mask, Positions, key_padding_to_attn_mask
 from model.transformer import EncoderLayer
 
 PAD, BOS, EOS = 0, 2, 3
@@ -37,8 +37,8 @@ def test_packed_encoder_layer_equals_padded_at_real_positions():
     x = torch.randn(3, 7, 16)
     pad = torch.arange(7)[None, :] >= torch.tensor([7, 4, 1])[:, None]
     at = Positions(~pad)
-    padded = layer(x, key_padding_to_attn_mask(pad))
-    packed = layer(at.pack(x), key_padding_to_attn_mask(pad), at)
+    padded = layer(x, Mask(keys=key_padding_to_attn_mask(pad)))
+    packed = layer(at.pack(x), Mask(keys=key_padding_to_attn_mask(pad), at=at))
     assert packed.shape == (12, 16)
     assert (packed - padded[~pad]).abs().max() < 1e-5
     assert torch.equal(at.unpack(packed)[pad], torch.zeros(int(pad.sum()), 16))
@@ -51,7 +51,7 @@ def test_encode_equals_padded_layers_at_real_positions_and_is_zero_at_padding():
     memory, src_pad_mask = model.encode(src)
     x = model.embed(model.src_embed, src)
     for layer in model.encoder_layers:  # the unpacked computation
-        x = layer(x, key_padding_to_attn_mask(src_pad_mask))
+        x = layer(x, Mask(keys=key_padding_to_attn_mask(src_pad_mask)))
     assert (memory - x)[~src_pad_mask].abs().max() < 1e-5
     assert memory[src_pad_mask].abs().max() == 0
 

@@ -10,7 +10,7 @@ import torch
 
 from model import ModelConfig
 from model.incremental import LayerWeights, decoder_layer_step
-from model.layout import key_padding_to_attn_mask
+from model.layout import Mask, key_padding_to_attn_mask
 from model.transformer import DecoderLayer
 
 
@@ -32,7 +32,7 @@ def test_fused_step_equals_the_layers_forward_over_the_prefix(beam, heads):
     weights = LayerWeights.of(layer)
     prefix = torch.randn(N, steps, 32)
     for t in range(steps):
-        want = layer(prefix[:, : t + 1], row_kv, row_mask, is_causal=True)[:, t]  # (N, d)
+        want = layer(prefix[:, : t + 1], row_kv, Mask(causal=True), Mask(keys=row_mask))[:, t]  # (N, d)
         got = decoder_layer_step(weights, prefix[:, t].clone(), cross_kv, cross_mask, cache, t)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from model import ModelConfig, Transformer
-from model.layout import key_padding_to_attn_mask
+from model.layout import Mask, key_padding_to_attn_mask
 from model.transformer import DecoderLayer, EncoderLayer, FeedForward, Rotary, make_norm
 
 D, H, D_FF = 16, 4, 32
@@ -62,7 +62,7 @@ def test_pre_norm_encoder_layer_is_torchs_norm_first_layer(norm):
     ours = EncoderLayer(_cfg(norm_position="pre", norm=norm)).eval()
     _load_common(ours, ref, 2)
     x, pad = torch.randn(3, 7, D), _pad_mask([7, 4, 1], 7)
-    torch.testing.assert_close(ours(x, key_padding_to_attn_mask(pad)), ref(x, src_key_padding_mask=pad),
+    torch.testing.assert_close(ours(x, Mask(keys=key_padding_to_attn_mask(pad))), ref(x, src_key_padding_mask=pad),
                                rtol=0, atol=1e-5)
 
 
@@ -80,7 +80,7 @@ def test_pre_norm_decoder_layer_is_torchs_norm_first_layer(norm):
     x, memory, mem_pad = torch.randn(3, T, D), torch.randn(3, S, D), _pad_mask([2, 5, 4], S)
     causal = torch.ones(T, T, dtype=torch.bool).triu(1)  # True = masked (nn convention)
     want = ref(x, memory, tgt_mask=causal, memory_key_padding_mask=mem_pad)
-    got = ours(x, ours.cross_attn.project_kv(memory), key_padding_to_attn_mask(mem_pad), is_causal=True)
+    got = ours(x, ours.cross_attn.project_kv(memory), Mask(causal=True), Mask(keys=key_padding_to_attn_mask(mem_pad)))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from model import ModelConfig, Transformer
-from model.layout import key_padding_to_attn_mask
+from model.layout import Mask, key_padding_to_attn_mask
 from model.transformer import DecoderLayer, EncoderLayer
 
 D, H, D_FF = 16, 4, 32
@@ -64,7 +64,7 @@ def test_encoder_layer_matches_torch_reference():
     pad = _pad_mask([7, 4, 1], 7)
     with torch.no_grad():
         expected = ref(x, src_key_padding_mask=pad)
-        got = ours(x, key_padding_to_attn_mask(pad))
+        got = ours(x, Mask(keys=key_padding_to_attn_mask(pad)))
     assert (got - expected).abs().max() < 1e-5
 
 
@@ -90,8 +90,8 @@ def test_decoder_layer_matches_torch_reference():
                        memory_key_padding_mask=mem_pad)
         kv, cross_mask = ours.cross_attn.project_kv(memory), key_padding_to_attn_mask(mem_pad)
         self_mask = ~(causal[None, None] | tgt_pad[:, None, None, :])  # (B, 1, T, T) True = attend
-        got = ours(x, kv, cross_mask, self_mask=self_mask)
-        got_causal_only = ours(x, kv, cross_mask, is_causal=True)
+        got = ours(x, kv, Mask(keys=self_mask), Mask(keys=cross_mask))
+        got_causal_only = ours(x, kv, Mask(causal=True), Mask(keys=cross_mask))
     assert (got - expected).abs().max() < 1e-5
     # The model path (causal mask only) agrees wherever the target is real (right padding).
     assert (got_causal_only - expected)[~tgt_pad].abs().max() < 1e-5

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from model.layout import Positions
+from model.layout import Mask, Positions
 from model.transformer import CrossAttention, SelfAttention
 
 PAD, BOS, EOS = 0, 2, 3
@@ -54,10 +54,10 @@ def test_self_attention_with_any_head_widths_is_the_papers_formula(d_k, d_v):
     with torch.no_grad():
         expected = _reference_attention(x, x, w_q, b_q, w_k, b_k, w_v, b_v, attn.out_proj.weight,
                                         attn.out_proj.bias, h, d_k, d_v, causal)
-        got = attn(x, is_causal=True)
+        got = attn(x, Mask(causal=True))
         keep = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)  # right padding
         at = Positions(keep)
-        got_packed = at.unpack(attn(at.pack(x), is_causal=True, at=at))
+        got_packed = at.unpack(attn(at.pack(x), Mask(causal=True, at=at)))
     assert (got - expected).abs().max() < 1e-5
     # Packed (real positions only): row 1's real positions see only real keys before them.
     assert (got_packed[keep] - expected[keep]).abs().max() < 1e-5
@@ -74,7 +74,7 @@ def test_cross_attention_with_any_head_widths_is_the_papers_formula(d_k, d_v):
     with torch.no_grad():
         expected = _reference_attention(x, memory, attn.q_proj.weight, attn.q_proj.bias, w_k, b_k, w_v, b_v,
                                         attn.out_proj.weight, attn.out_proj.bias, h, d_k, d_v, mask)
-        got = attn(x, attn.project_kv(memory), src_keep[:, None, None, :])
+        got = attn(x, attn.project_kv(memory), Mask(keys=src_keep[:, None, None, :]))
     assert (got - expected).abs().max() < 1e-5
 
 
