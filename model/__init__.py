@@ -3,7 +3,7 @@
 transformer   the architecture as §3 writes it: `Transformer(cfg, cpu_kernels=True)`;
               `model(src, tgt_in, nonpad=None)` -> decoder output, `model.logits(h)` -> logits
 layout        the heads (widths when d_k, d_v differ from d_model / h: Table 3 A, B), the real
-              (non-pad) positions (`Positions`, `NonPad`) and the padding mask
+              (non-pad) positions (`Positions`, `NonPad`), and the `Mask` each attention call gets
 kernels       CPU dropout, fp32 CPU attention for bf16 gradients, in-place residual adds
 incremental   decoding one token at a time: `DecoderState`, the fused eval-mode decoder step
 search        greedy and beam search over the `DecodingModel` protocol
