@@ -202,7 +202,7 @@ def start(model: Any, memory: torch.Tensor, src_pad_mask: torch.Tensor, beam_siz
     B, S, d = memory.shape
     h, heads = cfg.n_heads, layers[0].self_attn.heads
     source = Mask(at=Positions(~src_pad_mask))  # K/V only at real source positions (0 at padding, masked)
-    memory = source.at.pack(memory)  # (Ms, d)
+    memory = source.pack(memory)  # (Ms, d)
     cross_kv = torch.stack([layer.cross_attn.project_kv(memory, source) for layer in layers])
     self_kv = cross_kv.new_empty(len(layers), 2, B * beam_size, h, max_len, heads.hs)
     output_weight_t = model.output_proj.weight.t().contiguous()

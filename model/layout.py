@@ -111,8 +111,31 @@ class Mask:
 
     def merge_heads(self, y: torch.Tensor, heads: Heads) -> torch.Tensor:
         """Attention's output (B, h, T, hs) -> the stream's (B, T, h * d_v), or its (M, h * d_v) rows."""
-        y = heads.merge(y)
-        return y if self.at is None else self.at.pack(y)
+        return self.pack(heads.merge(y))
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) -> the stream: as it is, or its real positions' (M, ...) rows."""
+        return x if self.at is None else self.at.pack(x)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """The stream -> (B, T, ...), zeros at pad positions."""
+        return x if self.at is None else self.at.unpack(x)
+
+
+def source_mask(src_ids: torch.Tensor, pad_id: int, index: torch.Tensor | None = None) -> Mask:
+    """The encoder's self-attention over src_ids (B, S): pad keys masked, the stream at the real
+    positions (`index`: their flat positions, when the caller has them; else found here). Its keys
+    are the cross-attention's too."""
+    pad = src_ids.eq(pad_id)  # (B, S)
+    return Mask(keys=key_padding_to_attn_mask(pad), at=Positions(~pad, index))
+
+
+def target_masks(tgt_in_ids: torch.Tensor, pad_id: int, source: Mask, nonpad: NonPad | None
+                 ) -> tuple[Mask, Mask]:
+    """The decoder's self-attention (causal) and cross-attention (the source's keys) over
+    tgt_in_ids (B, T): the stream at the real positions with `nonpad`, else (B, T, d)."""
+    at = None if nonpad is None else Positions(tgt_in_ids.ne(pad_id), nonpad.tgt_index)
+    return Mask(causal=True, at=at), Mask(keys=source.keys, at=at)
 
 
 @dataclass(frozen=True)

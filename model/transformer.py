@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from . import incremental
 from .config import ModelConfig
 from .kernels import Dropout, add_into, sdpa
-from .layout import Heads, Mask, NonPad, Positions, key_padding_to_attn_mask
+from .layout import Heads, Mask, NonPad, source_mask, target_masks
 
 
 def sinusoid_table(n_positions: int, d_model: int) -> torch.Tensor:
@@ -317,24 +317,21 @@ class Transformer(nn.Module):
             x.add_(self.position_table()[offset : offset + T])
         return self.dropout(x) if self.training else x
 
-    def _encode(self, src_ids: torch.Tensor, src_index: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, Mask, torch.Tensor]:
-        """The encoder at real source positions only: memory (Ms, d), its self-attention's mask
-        (the source's padding; its `at`, those positions), src_pad_mask."""
-        src_pad_mask = src_ids.eq(self.cfg.pad_id)  # (B, S)
-        mask = Mask(keys=key_padding_to_attn_mask(src_pad_mask), at=Positions(~src_pad_mask, src_index))
-        x = mask.at.pack(self.embed(self.src_embed, src_ids))  # (Ms, d)
+    def _encode(self, src_ids: torch.Tensor, src_index: torch.Tensor | None = None) -> tuple[torch.Tensor, Mask]:
+        """The encoder at real source positions only: memory (Ms, d) and its self-attention's mask."""
+        mask = source_mask(src_ids, self.cfg.pad_id, src_index)
+        x = mask.pack(self.embed(self.src_embed, src_ids))  # (Ms, d)
         for layer in self.encoder_layers:
             x = layer(x, mask)
         if self.encoder_norm is not None:  # pre-norm's final norm
             x = self.encoder_norm(x)
-        return x, mask, src_pad_mask
+        return x, mask
 
     def encode(self, src_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """src_ids (B, S) -> memory (B, S, d), 0 at padding; src_pad_mask (B, S) bool True = pad.
         Every row needs >= 1 real token (sources end with eos), or attention rows are all masked."""
-        memory, mask, src_pad_mask = self._encode(src_ids)
-        return mask.at.unpack(memory), src_pad_mask
+        memory, mask = self._encode(src_ids)
+        return mask.unpack(memory), src_ids.eq(self.cfg.pad_id)
 
     def forward(self, src_ids: torch.Tensor, tgt_in_ids: torch.Tensor, nonpad: NonPad | None = None
                 ) -> torch.Tensor:
@@ -345,18 +342,14 @@ class Transformer(nn.Module):
         with `tgt_out_ids[tgt_out_ids != pad_id]`: no work on padding, nor the caller's projection
         and loss there (a step's largest matmul). The encoder always skips padding. The causal mask
         suffices: right padding puts every pad key after every real query."""
-        src_index, tgt_index = (None, None) if nonpad is None else (nonpad.src_index, nonpad.tgt_index)
-        memory, source, _ = self._encode(src_ids, src_index)
-        at = None if nonpad is None else Positions(tgt_in_ids.ne(self.cfg.pad_id), tgt_index)
-        self_mask, cross_mask = Mask(causal=True, at=at), Mask(keys=source.keys, at=at)
-        x = self.embed(self.tgt_embed, tgt_in_ids)  # (B, T, d)
-        if at is not None:
-            x = at.pack(x)  # (M, d)
+        memory, source = self._encode(src_ids, None if nonpad is None else nonpad.src_index)
+        self_mask, cross_mask = target_masks(tgt_in_ids, self.cfg.pad_id, source, nonpad)
+        x = self_mask.pack(self.embed(self.tgt_embed, tgt_in_ids))  # (B, T, d), or (M, d) with nonpad
         for layer in self.decoder_layers:
             x = layer(x, layer.cross_attn.project_kv(memory, source), self_mask, cross_mask)
         if self.decoder_norm is not None:  # pre-norm's final norm
             x = self.decoder_norm(x)
-        return x  # (B, T, d), or (M, d) at the real target positions `at`
+        return x  # (B, T, d), or (M, d) at the real target positions with nonpad
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """§3.4: decoder output (..., d) -> next-token logits (..., V), before the softmax (a fused
