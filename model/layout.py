@@ -103,11 +103,11 @@ class Mask:
 
     def split_heads(self, x: torch.Tensor, heads: Heads, sizes: tuple[int, ...]) -> torch.Tensor:
         """Fused projections of the stream, (B, T, h * sum(sizes)) or (M, ...) -> (len(sizes), B, h, T, hs)."""
-        return heads.split(x if self.at is None else self.at.unpack(x), sizes)
+        return heads.split(self.unpack(x), sizes)
 
     def split_queries(self, x: torch.Tensor, heads: Heads) -> torch.Tensor:
         """One projection of the stream, (B, T, h * d_k) or (M, ...) -> (B, h, T, hs)."""
-        return heads.split_queries(x if self.at is None else self.at.unpack(x))
+        return heads.split_queries(self.unpack(x))
 
     def merge_heads(self, y: torch.Tensor, heads: Heads) -> torch.Tensor:
         """Attention's output (B, h, T, hs) -> the stream's (B, T, h * d_v), or its (M, h * d_v) rows."""
