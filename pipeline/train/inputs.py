@@ -71,7 +71,7 @@ def epoch_statistics(cfg: Config, keep: np.ndarray, lengths: tuple[np.ndarray, n
     plan = step_groups.plan_epoch(np.flatnonzero(keep), src_len, tgt_len, tc.tokens_per_step, tc.seed, 0)
     # With a range, the smallest group: the most micro-batches per worker (workers split each step
     # by the world size they have at each (re)start, never by this number).
-    workers = worker_range(cfg)[0]
+    workers, most_workers = worker_range(cfg)
     accum = [step_groups.split_step(g, src_len, tgt_len, workers, cfg.speed.max_tokens_per_batch).accum
              for g in plan[:50]]
     stats = {"num_pairs": len(src_len), "num_kept": num_kept, "num_dropped_too_long": len(src_len) - num_kept,
@@ -85,9 +85,9 @@ def epoch_statistics(cfg: Config, keep: np.ndarray, lengths: tuple[np.ndarray, n
              "%.1f micro-batch(es) on average (max %d) under %d padded tokens each", len(plan),
              stats["mean_tgt_tokens_per_step"], stats["mean_pairs_per_step"], workers,
              stats["accum_mean"], stats["accum_max"], cfg.speed.max_tokens_per_batch)
-    if stats["mean_pairs_per_step"] < worker_range(cfg)[1]:
+    if stats["mean_pairs_per_step"] < most_workers:
         log.warning("train: fewer pairs per step (%.1f) than workers (%d): some workers idle each step",
-                    stats["mean_pairs_per_step"], worker_range(cfg)[1])
+                    stats["mean_pairs_per_step"], most_workers)
     return stats
 
 
