@@ -6,10 +6,10 @@
 A. loss, forward + backward, on (M, K) logits of both dtypes: PyTorch's
    `F.cross_entropy(label_smoothing=0.1)` (what one would write), ours in one piece
    (`cpu_chunk_elements` past M * K: the whole logits copied to fp32, several passes over them), ours
-   in row chunks of `model.loss.CPU_CHUNK_ELEMENTS` (the default on a CPU). The gradients' largest error of ours and
+   in row chunks of `model.training.CPU_CHUNK_ELEMENTS` (the default on a CPU). The gradients' largest error of ours and
    of PyTorch's fp32 loss against PyTorch's loss in fp64 (bf16 logits: the gradient's bf16 rounding).
 B. dropout, forward + backward, on the residual stream's (M, d): `F.dropout` vs
-   `model.kernels.Dropout` (four 15-bit uniforms per 64-bit draw).
+   `model.compute.Dropout` (four 15-bit uniforms per 64-bit draw).
 C. the bare training step (forward, loss, backward, Adam) of the two Multi30k models
    (configs/multi30k-fast.toml's d_model 256 / 3+3 at ~2700 target tokens, configs/multi30k-tiny.toml's
    d_model 128 / 4+4 at ~6800) under `speed.precision = auto`: "plain" (one-piece loss, PyTorch's
@@ -39,9 +39,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import model.loss as model_loss  # noqa: E402
+import model.training as model_training  # noqa: E402
 from model import ModelConfig, label_smoothed_nll  # noqa: E402
-from model.kernels import Dropout  # noqa: E402
+from model.compute import Dropout  # noqa: E402
 from pipeline.cpu_threads import use_threads  # noqa: E402
 from pipeline.train import step as train_step  # noqa: E402
 
@@ -92,7 +92,7 @@ def bench_loss(repeats: int) -> None:
                 F.cross_entropy(x.float(), target, ignore_index=0, label_smoothing=0.1, reduction="sum").backward()
                 return x.grad
 
-            def ours(chunk_elements: int = model_loss.CPU_CHUNK_ELEMENTS):
+            def ours(chunk_elements: int = model_training.CPU_CHUNK_ELEMENTS):
                 x = logits.detach().requires_grad_()
                 label_smoothed_nll(x, target, epsilon=0.1, cpu_chunk_elements=chunk_elements)[0].backward()
                 return x.grad
@@ -165,7 +165,7 @@ def main() -> None:
         use_threads(args.threads)
     torch.set_flush_denormal(True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"CPU_CHUNK_ELEMENTS = {model_loss.CPU_CHUNK_ELEMENTS}")
+          f"CPU_CHUNK_ELEMENTS = {model_training.CPU_CHUNK_ELEMENTS}")
     if args.only in (None, "loss"):
         bench_loss(args.repeats)
     if args.only in (None, "dropout"):

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 def child(variant: str, tokens: int, vocab: int, d: int) -> dict:
     import torch
 
-    import model.loss as model_loss
+    import model.training as model_training
 
     torch.manual_seed(0)
     hidden = (torch.randn(tokens, d) * 2).requires_grad_()  # fp32: the last LayerNorm's output under autocast
@@ -37,9 +37,9 @@ def child(variant: str, tokens: int, vocab: int, d: int) -> dict:
     if variant == "before":
         logits = hidden.to(torch.bfloat16) @ weight.to(torch.bfloat16).t()  # (M, V) bf16, as autocast's linear
         # The GPU path: the whole (M, V) in one chunk.
-        loss, nll = model_loss.label_smoothed_nll(logits, target, 0.1, 0, cpu_chunk_elements=logits.numel())
+        loss, nll = model_training.label_smoothed_nll(logits, target, 0.1, 0, cpu_chunk_elements=logits.numel())
     else:
-        loss, nll = model_loss.linear_label_smoothed_nll(hidden, weight, target, 0.1, 0, torch.bfloat16)
+        loss, nll = model_training.linear_label_smoothed_nll(hidden, weight, target, 0.1, 0, torch.bfloat16)
     loss.backward()
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -2,13 +2,15 @@
 
 transformer   the architecture as §3 writes it: `Transformer(cfg, cpu_kernels=True)`;
               `model(src, tgt_in, nonpad=None)` -> decoder output, `model.logits(h)` -> logits
-layout        the heads (widths when d_k, d_v differ from d_model / h: Table 3 A, B), the real
-              (non-pad) positions (`Positions`, `NonPad`), and the `Mask` each attention call gets
-kernels       CPU dropout, fp32 CPU attention for bf16 gradients, in-place residual adds
+compute       how the layers are computed beside §3: the heads (widths when d_k, d_v differ from
+              d_model / h: Table 3 A, B), the real (non-pad) positions (`Positions`, `NonPad`), the
+              `Mask` each attention call gets; CPU dropout, fp32 CPU attention for bf16 gradients,
+              in-place residual adds
+training      §5: Adam and the learning-rate schedule (§5.3), the label-smoothed loss (§5.4)
 incremental   decoding one token at a time: `DecoderState`, the fused eval-mode decoder step
 search        greedy and beam search over the `DecodingModel` protocol
 attention_weights  the attention maps of a sentence pair (the paper's Figures 3-5)
-loss, schedule, averaging, config: label smoothing, the learning rate, checkpoint averaging, sizes
+averaging, config: checkpoint averaging, the model's sizes
 
 Imports torch and the standard library only. The names below load their module on first use
 (PEP 562), so `model.config` (the sizes, which the pipeline's config is built on) costs no torch
@@ -25,10 +27,10 @@ _WHERE = {
     "average_checkpoints": "averaging",
     "SIZES": "config", "ModelConfig": "config", "ModelSizes": "config", "Positional": "config", "size_name": "config",
     "DecoderState": "incremental",
-    "label_smoothed_nll": "loss", "linear_label_smoothed_nll": "loss",
-    "NonPad": "layout",
-    "ADAM_BETAS": "schedule", "ADAM_EPS": "schedule", "make_optimizer": "schedule", "make_scheduler": "schedule",
-    "noam_lambda": "schedule", "noam_lr": "schedule",
+    "NonPad": "compute",
+    "ADAM_BETAS": "training", "ADAM_EPS": "training", "label_smoothed_nll": "training",
+    "linear_label_smoothed_nll": "training", "make_optimizer": "training", "make_scheduler": "training",
+    "noam_lambda": "training", "noam_lr": "training",
     "DecodingModel": "search", "beam_search": "search", "gnmt_length_penalty": "search", "greedy_search": "search",
     "max_source_len": "search", "output_budget": "search",
     "Transformer": "transformer", "sinusoid_table": "transformer",
@@ -52,9 +54,9 @@ if TYPE_CHECKING:  # what type checkers and readers see
     from .averaging import average_checkpoints  # noqa: F401
     from .config import SIZES, ModelConfig, ModelSizes, Positional, size_name  # noqa: F401
     from .incremental import DecoderState  # noqa: F401
-    from .loss import label_smoothed_nll, linear_label_smoothed_nll  # noqa: F401
-    from .layout import NonPad  # noqa: F401
-    from .schedule import ADAM_BETAS, ADAM_EPS, make_optimizer, make_scheduler, noam_lambda, noam_lr  # noqa: F401
+    from .compute import NonPad  # noqa: F401
+    from .training import (ADAM_BETAS, ADAM_EPS, label_smoothed_nll, linear_label_smoothed_nll,  # noqa: F401
+                           make_optimizer, make_scheduler, noam_lambda, noam_lr)
     from .search import (DecodingModel, beam_search, gnmt_length_penalty, greedy_search,  # noqa: F401
                          max_source_len, output_budget)
     from .transformer import Transformer, sinusoid_table  # noqa: F401

@@ -28,7 +28,7 @@ _HOOKING = threading.Lock()
 
 class AttentionCall(NamedTuple):
     """One attention call as the model made it: q (B, h, Tq, hs), k and v (B, h, Tk, hs), each head
-    zero-padded to hs = max(d_k, d_v) (`model.layout`); SDPA's mask (True = may attend), causal flag
+    zero-padded to hs = max(d_k, d_v) (`model.compute`); SDPA's mask (True = may attend), causal flag
     and scale (None: SDPA's 1/sqrt(hs))."""
 
     q: torch.Tensor

@@ -25,8 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .kernels import add_into
-from .layout import Heads, Mask, Positions, key_padding_to_attn_mask
+from .compute import Heads, Mask, Positions, add_into, key_padding_to_attn_mask
 
 
 Linear = tuple[torch.Tensor, torch.Tensor]  # (W.T contiguous (d_in, d_out), bias)

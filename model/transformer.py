@@ -5,12 +5,13 @@ rotary positions (`positional`), pre-norm (`norm_position`), RMSNorm (`norm`), S
 Sequences: source = pieces + [eos] (no bos); decoder input = [bos] + pieces; decoder target =
 pieces + [eos]; right-padded with pad_id. Shapes: B sentences, S source / T target length, M real
 (non-pad) positions, d = d_model, h = n_heads, d_k / d_v the per-head widths (Table 3 A/B),
-hs = max(d_k, d_v) (`model.layout`), V = vocab_size.
+hs = max(d_k, d_v) (`model.compute`), V = vocab_size.
 
-Beside it: `layout` (the heads, the real positions, the `Mask` an attention call gets: the layers
-only pass it on), `kernels` (CPU kernels, by the `cpu_kernels` option), `incremental` (decoding one
-token at a time: the KV cache, the beams), `attention_weights` (what attention sees, recorded by
-hooking `ScaledDotProductAttention` from outside).
+Beside it: `compute` (the heads, the real positions, the `Mask` an attention call gets: the layers
+only pass it on; the CPU kernels, by the `cpu_kernels` option), `training` (§5: the optimizer, its
+schedule, the label-smoothed loss), `incremental` (decoding one token at a time: the KV cache, the
+beams), `attention_weights` (what attention sees, recorded by hooking `ScaledDotProductAttention`
+from outside).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import torch.nn.functional as F
 
 from . import incremental
 from .config import ModelConfig
-from .kernels import Dropout, add_into, sdpa
-from .layout import Heads, Mask, NonPad, source_mask, target_masks
+from .compute import Dropout, Heads, Mask, NonPad, add_into, sdpa, source_mask, target_masks
 
 
 def sinusoid_table(n_positions: int, d_model: int) -> torch.Tensor:
@@ -42,7 +42,7 @@ class Rotary(nn.Module):
     """Rotary positions (Su et al., 2021): each pair (x_2i, x_2i+1) of a head's query or key at
     position m is rotated by the angle m * theta_i, theta_i = 10000^(-2i/d_k), so that q_m . k_n
     depends on the offset m - n only. Pairs interleaved as in the paper (and as §3.5 interleaves
-    the sinusoids); the zero columns a head is padded with (`model.layout`) are rotated by angle 0."""
+    the sinusoids); the zero columns a head is padded with (`model.compute`) are rotated by angle 0."""
 
     def __init__(self, d_k: int, hs: int, n_positions: int):
         super().__init__()
@@ -251,7 +251,7 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     """Transformer (§3): src (B, S) + decoder input (B, T) -> decoder output (B, T, d), whose
-    `logits` (B, T, V) predict the next token. `cpu_kernels`: `kernels.Dropout`'s cheaper masks on
+    `logits` (B, T, V) predict the next token. `cpu_kernels`: `compute.Dropout`'s cheaper masks on
     CPU tensors in eager training (False: PyTorch's, e.g. for an eager model compared with a compiled one)."""
 
     def __init__(self, cfg: ModelConfig, cpu_kernels: bool = True):

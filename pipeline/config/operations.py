@@ -48,7 +48,7 @@ class SpeedSection:
     # memory-efficient and cuDNN on this GPU, timed at the worker's start on a training-sized shape
     # (pipeline/train/device.py); or one of them, or "math". A CPU keeps PyTorch's own choice.
     attention_backend: AttentionBackend = op("auto")
-    # The output projection fused with the label-smoothed loss, in row chunks (model/loss.py,
+    # The output projection fused with the label-smoothed loss, in row chunks (model/training.py,
     # linear_label_smoothed_nll): no (tokens x vocabulary) logits, bf16 or fp32, are ever held.
     # "auto" = on a GPU; a CPU keeps its projection + chunked loss (faster there: fewer, larger GEMMs).
     fused_loss: bool | Auto = op("auto")

@@ -30,7 +30,7 @@ def test_every_name_of_model_loads_from_its_module():
 
     for name in model.__all__:
         value = getattr(model, name)
-        defined = [m for m in ("averaging", "config", "incremental", "layout", "loss", "schedule", "search",
+        defined = [m for m in ("averaging", "compute", "config", "incremental", "search", "training",
                                "transformer") if getattr(importlib.import_module(f"model.{m}"), name, None) is value]
         assert defined, name
     assert {"Transformer", "ModelConfig", "beam_search", "average_checkpoints"} <= set(dir(model))

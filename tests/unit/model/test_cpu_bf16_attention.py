@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from model import ModelConfig, Transformer
-from model.kernels import sdpa
+from model.compute import sdpa
 
 
 def test_bf16_attention_with_grad_equals_fp32_sdpa_of_the_upcast_inputs():

@@ -1,4 +1,4 @@
-"""The CPU dropout of `model.kernels.Dropout` (four 15-bit uniforms per 64-bit draw): what it
+"""The CPU dropout of `model.compute.Dropout` (four 15-bit uniforms per 64-bit draw): what it
 keeps, how it scales, its gradient, and where it is used instead of PyTorch's."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from model import ModelConfig, Transformer
-from model.kernels import Dropout
+from model.compute import Dropout
 
 
 @pytest.mark.parametrize("p", [0.1, 0.3])

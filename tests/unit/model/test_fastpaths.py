@@ -9,7 +9,7 @@ import torch
 from model import ModelConfig, Transformer, beam_search
 from model.search import _topk_rows
 from model.incremental import DecoderState
-from model.layout import Mask, Positions, key_padding_to_attn_mask
+from model.compute import Mask, Positions, key_padding_to_attn_mask
 from model.transformer import EncoderLayer
 
 PAD, BOS, EOS = 0, 2, 3

@@ -1,4 +1,4 @@
-"""The output projection fused with the label-smoothed loss (model.loss.linear_label_smoothed_nll)
+"""The output projection fused with the label-smoothed loss (model.training.linear_label_smoothed_nll)
 against an independent fp64 reference: PyTorch's F.cross_entropy(label_smoothing=...) on the full
 logits, with autograd's gradients; and the claim that it never holds a (tokens x vocabulary)
 tensor, checked on every tensor the forward and backward create."""

@@ -10,7 +10,7 @@ import torch
 
 from model import ModelConfig
 from model.incremental import LayerWeights, decoder_layer_step
-from model.layout import Mask, key_padding_to_attn_mask
+from model.compute import Mask, key_padding_to_attn_mask
 from model.transformer import DecoderLayer
 
 

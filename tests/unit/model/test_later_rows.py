@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from model import ModelConfig, Transformer
-from model.layout import Mask, key_padding_to_attn_mask
+from model.compute import Mask, key_padding_to_attn_mask
 from model.transformer import DecoderLayer, EncoderLayer, FeedForward, Rotary, make_norm
 
 D, H, D_FF = 16, 4, 32

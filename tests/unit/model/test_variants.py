@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from model.layout import Mask, Positions
+from model.compute import Mask, Positions
 from model.transformer import CrossAttention, SelfAttention
 
 PAD, BOS, EOS = 0, 2, 3
