@@ -72,7 +72,8 @@ def stamp(session: Any, path: str) -> Any:
             return getattr(self.inner, name)
 
         def before_step(self, step: int) -> None:
-            self.inner.before_step(step)
+            if self.inner.before_step is not None:
+                self.inner.before_step(step)
             if self.rank == 0:
                 with open(path, "a") as f:
                     f.write(f"{time.time():.3f} {step} {self.world_size} {os.getpid()}\n")
@@ -223,7 +224,8 @@ def outage_part(a: argparse.Namespace, shards: Path, work: Path, buffered: bool)
 
         def stamped(step: int) -> None:
             times.append((time.time(), step))
-            inner(step)
+            if inner is not None:
+                inner(step)
 
         trainer.session.before_step = stamped
         th = threading.Thread(target=trainer.run, daemon=True)

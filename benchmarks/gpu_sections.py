@@ -14,15 +14,12 @@ import numpy as np
 import torch
 
 from model import ModelConfig, Transformer, beam_search, make_optimizer, make_scheduler
-from pipeline.train import token_batches
-from pipeline.train.corpus import Corpus
-from pipeline.train.token_batches import BatchLayout
-from pipeline.train import checkpoint as train_checkpoint
-from pipeline.train.loop import Trainer
-from pipeline.train.feeder import HostBatcher
 from pipeline.plan.flops import OpCounter
-from pipeline.train.metrics import Window
-from pipeline.train.feeder import to_device
+from pipeline.train import checkpoint as train_checkpoint
+from pipeline.train import feeder
+from pipeline.train.corpus import Corpus
+from pipeline.train.feeder import BatchLayout, HostBatcher, to_device
+from pipeline.train.loop import LoopState, Trainer
 from pipeline.train.step import LossSettings, TrainedModel, accumulate_gradients, optimizer_step
 
 
@@ -130,7 +127,7 @@ def fit_probe(pr: Any, mc: ModelConfig) -> Callable[[int], bool]:
         offsets = np.arange(rows + 1, dtype=np.int64) * L
         values = rng.integers(4, mc.vocab_size, size=rows * L).astype(np.int32)
         try:
-            b = token_batches.collate(np.arange(rows),
+            b = feeder.collate(np.arange(rows),
                                       Corpus(src_values=values, src_offsets=offsets, tgt_values=values,
                                              tgt_offsets=offsets),
                                       BatchLayout(pad_id=mc.pad_id, bos_id=mc.bos_id, eos_id=mc.eos_id))
@@ -183,20 +180,19 @@ def ddp_section(pr: Any, trainer: Trainer, plain_tps: float) -> tuple[dict, str]
         ddp.distribute(trainer.device, 1, hook, always=True)
         plan = trainer.plan.groups(1)[: pr.train_steps["base"]]
         host = HostBatcher(trainer.train_data, trainer.mcfg, 0, 1, trainer.speed.max_tokens_per_batch, trainer.device)
-        windows: list[Window] = []
+        counted = LoopState()  # the loop's counting; its window restarts at the measured half
         for i, group in enumerate(plan):
             if i == len(plan) // 2:  # the second half is measured (warm)
                 if pr.device.startswith("cuda"):
                     torch.cuda.synchronize()
-                windows.append(Window())
+                counted.begin()
             batch = host(group)
-            r = trainer._train_step(ddp, trainer._on_device(ddp, batch), batch, time.perf_counter())
-            (windows[-1] if windows else Window()).add(r.loss, r.nll, src_tokens=r.src_tokens,
-                                                       tgt_tokens=r.tgt_tokens, lr=r.lr, grad_norm=r.grad_norm)
-        loss = float(windows[-1].loss) / windows[-1].tokens_tgt
+            counted.advance(trainer._train_step(ddp, trainer._on_device(ddp, batch), batch, time.perf_counter()))
+        window = counted.window
+        loss = float(window.loss) / window.tokens_tgt
         if pr.device.startswith("cuda"):
             torch.cuda.synchronize()
-        tps = windows[-1].tokens_tgt / (time.perf_counter() - windows[-1].start)
+        tps = window.tokens_tgt / (time.perf_counter() - window.start)
         # gloo's worker thread frees its last finished work shortly after DDP saw it complete, and
         # that needs the GIL; the group's destructor joins that thread holding the GIL. Seen once
         # (a hung --smoke, py-spy: ~ProcessGroupGloo in join, the worker in gil_scoped_acquire):

@@ -45,14 +45,13 @@ sys.path.insert(0, str(REPO))  # tests.support, when run as a script
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler  # noqa: E402
 from pipeline.batch_plan import step_groups  # noqa: E402
-from pipeline.train import token_batches  # noqa: E402
-from pipeline.train.token_batches import BatchLayout  # noqa: E402
+from pipeline.train import feeder  # noqa: E402
+from pipeline.train.feeder import BatchLayout, to_device  # noqa: E402
 from pipeline.config import Config  # noqa: E402
 from pipeline.cpu_threads import use_threads  # noqa: E402
 from pipeline.train.corpus import load_corpus  # noqa: E402
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer  # noqa: E402
 from pipeline.train.device import resolve_precision, row_multiple  # noqa: E402
-from pipeline.train.feeder import to_device  # noqa: E402
 from pipeline.train.step import LossSettings, accumulate_gradients, optimizer_step  # noqa: E402
 from tests.support.synthetic import write_reverse_task  # noqa: E402
 
@@ -98,7 +97,7 @@ def micro_batches(spec: dict, cfg: Config, mc: ModelConfig, device: torch.device
     while len(steps) < t.max_steps:
         for group in step_groups.plan_epoch(rows, d.src_len, d.tgt_len, t.tokens_per_step, t.seed, epoch):
             split = step_groups.split_step(group, d.src_len, d.tgt_len, 1, cfg.speed.max_tokens_per_batch)
-            mbs = [to_device(token_batches.collate(r, d, BatchLayout.of(mc, multiple)), device)
+            mbs = [to_device(feeder.collate(r, d, BatchLayout.of(mc, multiple)), device)
                    for r in split.for_worker(0)]
             steps.append((mbs, int(step_groups.target_tokens(d.tgt_len[group]).sum())))
             if len(steps) == t.max_steps:

@@ -10,7 +10,7 @@ whose binary form has at most `bits` significant bits (bits = 4: 8, 9, ..., 15, 
 (`ShapeBuckets`). A micro-batch's shape is then one of a few dozen per epoch, and kernel and
 attention-plan choices are made once per run.
 
-The padding is masked, as all padding is (`pipeline.train.token_batches.collate`): added rows have a source of
+The padding is masked, as all padding is (`pipeline.train.feeder.collate`): added rows have a source of
 [eos] and a decoder input of [bos] whose target is pad (ignored by the loss); added positions
 are pad positions. Losses and gradients equal the unpadded step's (tests/unit/train/test_shapes.py).
 What it costs is the padding overhead: computed positions (Ms + Mt, what the matmuls see) over

@@ -20,7 +20,7 @@ tokens." We take that literally, in two levels:
 Lengths here are the pieces in the shards; the model adds one special token per side (source +
 [eos], decoder input [bos] + pieces, target pieces + [eos]), so a pair costs
 `max(src_len, tgt_len) + 1` padded positions and brings `tgt_len + 1` target tokens. The padded
-arrays of a micro-batch are `pipeline.train.token_batches.collate`'s.
+arrays of a micro-batch are `pipeline.train.feeder.collate`'s.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ is left out, as in every MFU figure. The backward of a matmul counts twice its f
 
 Shapes come from lengths alone (`MicroShape`): a micro-batch of B pairs padded to S source and
 T target columns, with Ms and Mt real positions (the model computes position-wise work on those
-only, `model.layout.Positions`), as `pipeline.train.token_batches.collate` builds it on a GPU
+only, `model.compute.Positions`), as `pipeline.train.feeder.collate` builds it on a GPU
 (no row rounding). Imports torch, numpy and the model only: benchmarks/gpu_check.py uses it.
 """
 
@@ -31,7 +31,7 @@ from model import ModelConfig, NonPad, Transformer, label_smoothed_nll
 
 @dataclass(frozen=True, kw_only=True)
 class MicroShape:
-    """The shapes of one padded micro-batch (`token_batches.collate`, row_multiple 1)."""
+    """The shapes of one padded micro-batch (`feeder.collate`, row_multiple 1)."""
 
     B: int  # pairs
     S: int  # source columns: the longest source + eos

@@ -1,10 +1,10 @@
 """Training phase, split by who runs it.
 
 The worker (inside each Ray Train worker, or in-process for tests): loop (the Trainer) and its
-parts: device (precision, attention kernel, compile), feeder (host batches, prefetch, upload), step,
+parts: device (precision, attention kernel, compile), feeder (host batches: collate, prefetch, upload), step,
 metrics, dev_loss, agreement (what the ranks share after a step, and what it decides: log, validate,
 checkpoint, stop), checkpoint (the checkpoint folder, written and restored), early_stop, session,
-upload, preemption; token_batches (a micro-batch's padded arrays) and corpus (shard loading).
+upload, preemption; corpus (shard loading).
 The driver (the DAG's `train` entry): driver (the TorchTrainer, the stage's outputs), inputs (the
 checks before any worker starts), elastic (the worker range), resume (where an interrupted run
 stands, for --plan), dev_bleu_validation and dev_bleu_task (dev BLEU per checkpoint as Ray Train's

@@ -2,7 +2,7 @@
 
 Loader choice: every worker indexes the two id columns as flat int32 arrays + offsets (WMT14
 EN-DE: ~4.5M pairs, ~1.1 GB; EN-FR: ~36M pairs, ~9 GB). Batches are plain index gathers
-(`pipeline.train.token_batches.collate`), so:
+(`pipeline.train.feeder.collate`), so:
 - the batch plan is global and deterministic (seed, epoch), identical on every worker, and
   independent of the number of workers: no shuffle service, no per-worker shard assignment;
 - resume is exact: a data position is (epoch, step index in the epoch), nothing to replay;

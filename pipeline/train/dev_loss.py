@@ -23,7 +23,7 @@ import torch
 from model import ModelConfig
 from pipeline.batch_plan import step_groups
 from pipeline.batch_plan.shapes import ShapeBuckets
-from pipeline.train import token_batches
+from pipeline.train import feeder
 from pipeline.train.corpus import Corpus
 from pipeline.train.feeder import to_device
 from pipeline.train.step import LossSettings, TrainedModel, micro_batch_loss
@@ -38,7 +38,7 @@ class DevLoss:
         """`loss`: the training steps' (`step.micro_batch_loss`; its scaler is unused here);
         `buckets`: pad each dev batch to its bucketed shape (`speed.shape_buckets`)."""
         self.data, self.loss, self.rank, self.world, self.device = data, loss, rank, world, device
-        self.layout = token_batches.BatchLayout.of(mcfg, buckets=buckets)
+        self.layout = feeder.BatchLayout.of(mcfg, buckets=buckets)
         d, limit = data, mcfg.max_positions
         rows = np.flatnonzero((d.src_len + 1 <= limit) & (d.tgt_len + 1 <= limit))
         self.batches = step_groups.plan_eval_batches(rows, d.src_len, d.tgt_len, max_tokens)
@@ -52,7 +52,7 @@ class DevLoss:
         inner.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         for rows in self.batches[self.rank::self.world]:
-            b = token_batches.collate(rows, d, self.layout)
+            b = feeder.collate(rows, d, self.layout)
             # Real positions only, found on the host (as in training): no `nonzero` in the model,
             # which would break a compiled model's graph into pieces specialized per batch.
             loss, nll = micro_batch_loss(inner, to_device(b, self.device), self.loss)

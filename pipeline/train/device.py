@@ -112,7 +112,7 @@ def resolve_precision(requested: str, device: torch.device) -> str:
 
 
 def row_multiple(precision: str, device: torch.device) -> int:
-    """What a training micro-batch's computed positions are rounded up to (`token_batches.collate`):
+    """What a training micro-batch's computed positions are rounded up to (`feeder.collate`):
     64 for bf16 on a CPU, else 1. oneDNN builds (JIT-compiles) a bf16 GEMM kernel per shape and
     keeps ~1024 of them; token-bucketed batches have new shapes every step, so unrounded, local
     mode's real batches spent the bf16 gain building kernels (0.95x fp32; 1.17x rounded to 64,
@@ -244,7 +244,7 @@ class WorkerDevice:
             torch.cuda.set_device(device)
         self.precision = resolve_precision(speed.precision, device)
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
-        self.row_multiple = row_multiple(self.precision, device)  # what `token_batches.collate` rounds to
+        self.row_multiple = row_multiple(self.precision, device)  # what `feeder.collate` rounds to
         self.attention: Callable[[], ContextManager] = contextlib.nullcontext  # the steps' SDPA kernel choice
         self.compiler: CountingBackend | None = None  # counts the graphs torch.compile made (speed.compile)
 

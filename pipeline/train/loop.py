@@ -106,10 +106,14 @@ class LoopState:
         self.time_base_s = self.progress.train_time_s
 
     def advance(self, r: StepResult) -> None:
-        """Count the step `r` in the window and the progress."""
-        p = self.progress
-        self.window.add(r.loss, r.nll, src_tokens=r.src_tokens, tgt_tokens=r.tgt_tokens, lr=r.lr,
-                        grad_norm=r.grad_norm)
+        """Count the step `r` in the window (its sums stay on the device: no sync) and the progress."""
+        w, p = self.window, self.progress
+        w.steps, w.lr = w.steps + 1, r.lr
+        w.tokens_src, w.tokens_tgt = w.tokens_src + r.src_tokens, w.tokens_tgt + r.tgt_tokens
+        w.loss = r.loss if w.loss is None else w.loss + r.loss
+        w.nll = r.nll if w.nll is None else w.nll + r.nll
+        if r.grad_norm is not None:
+            w.grad_norm = r.grad_norm
         p.tokens_src, p.tokens_tgt = p.tokens_src + r.src_tokens, p.tokens_tgt + r.tgt_tokens
         p.step, p.step_in_epoch = p.step + 1, p.step_in_epoch + 1
         p.train_time_s = self.time_base_s + time.perf_counter() - self.attempt_start
@@ -191,7 +195,8 @@ class Trainer:
                 if group is None:  # the epoch is over
                     p.epoch, p.step_in_epoch = p.epoch + 1, 0
                     continue
-                self.session.before_step(p.step + 1)
+                if self.session.before_step is not None:  # a wrapper's hook (faults, stamps)
+                    self.session.before_step(p.step + 1)
                 host = feeder.take(group)
                 micro = self._on_device(model, host)
                 feeder.ahead(nxt)  # the next step's batches, built while this step's kernels run
@@ -264,7 +269,7 @@ def carry_out(t: Trainer, actions: list[Action], agreed: Agreed | None, stop: di
         elif action is Action.CHECKPOINT:
             save_s = t._checkpoint()
             if notice is not None:
-                notice.observe(save_s=save_s)
+                notice.save_s = save_s
 
 
 def stop_preempted(t: Trainer, agreed: Agreed, fits: bool) -> None:
@@ -295,9 +300,11 @@ def local_side(t: Trainer, model: TrainedModel, notice: preemption.Notice | None
         local.checkpoint_due = c.time_due(p.step)
         local.stop = t.early_stop is not None and t.early_stop.wish(p.step, c.logs(p.step))
     if notice is not None:
-        # The step's time runs up to its agreement: a validation step's dev loss counts.
-        notice.observe(step_s=time.perf_counter() - started)
-        local.grace_left_s, local.step_and_save_s, local.save_s = notice.local(p.step)
+        # What a checkpoint at the next step costs: this step (up to its agreement, so a validation
+        # step's dev loss counts) and a save; the grace left, once a SIGTERM came.
+        local.step_and_save_s, local.save_s = time.perf_counter() - started + notice.save_s, notice.save_s
+        if notice.received:
+            local.grace_left_s = notice.grace_left(p.step)
     return local
 
 

@@ -1,10 +1,10 @@
 """Training metrics: the window of steps since the last log line, and what a log step does.
 
-`Window` sums a step's loss, nll and token counts on the device (no sync). On a log step the
+`Window` holds the steps' loss, nll and token sums on the device (no sync). On a log step the
 sums are added over the workers in the step's agreement (`pipeline.train.agreement`), and
 `TrainLog.log_window` turns them into the progress line and the metrics rank 0 sends to MLflow
-(the loop keeps their history in `Progress`). `TrainLog.log` sends any other metrics. MLflow is imported lazily, and a tracking
-failure never stops training.
+(the loop keeps their history in `Progress`). `TrainLog.log` sends any other metrics. MLflow is
+imported lazily, and a tracking failure never stops training.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class Window:
-    """Sums since the last log line (device tensors: adding them does not sync)."""
+    """Sums since the last log line (device tensors: adding them does not sync); the loop's
+    `LoopState.advance` counts each step in them."""
 
     start: float = field(default_factory=time.perf_counter)
     steps: int = 0
@@ -34,18 +35,6 @@ class Window:
     nll: torch.Tensor | None = None
     lr: float = 0.0  # the rate the last step used
     grad_norm: float = float("nan")  # of the last step (computed on log steps only)
-
-    def add(self, loss: torch.Tensor, nll: torch.Tensor, *, src_tokens: int, tgt_tokens: int, lr: float,
-            grad_norm: float | None) -> None:
-        """One step: its (loss_sum, nll_sum) on the device and its token counts (all workers')."""
-        self.steps += 1
-        self.tokens_src += src_tokens
-        self.tokens_tgt += tgt_tokens
-        self.loss = loss if self.loss is None else self.loss + loss
-        self.nll = nll if self.nll is None else self.nll + nll
-        self.lr = lr
-        if grad_norm is not None:
-            self.grad_norm = grad_norm
 
 
 class TrainLog:

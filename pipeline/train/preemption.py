@@ -28,8 +28,6 @@ import threading
 import time
 from typing import Any
 
-from pipeline.train.agreement import NO_NOTICE
-
 log = logging.getLogger(__name__)
 
 _notice: dict[str, float] = {}  # {"at": time.monotonic() of the first SIGTERM}
@@ -53,12 +51,6 @@ def install() -> Any:
     return signal.signal(signal.SIGTERM, _on_sigterm)
 
 
-def notice_age() -> float | None:
-    """Seconds since this process's SIGTERM; None without one."""
-    at = _notice.get("at")
-    return None if at is None else time.monotonic() - at
-
-
 def reset() -> None:
     """Forget a notice (tests)."""
     _notice.clear()
@@ -66,34 +58,26 @@ def reset() -> None:
 
 class Notice:
     """This worker's side of a preemption: the SIGTERM handler (installed while the loop runs in the
-    main thread), what a checkpoint at the next step costs (`observe`), and what the rank brings to
-    the step's agreement (`local`)."""
+    main thread), what a checkpoint costs (`save_s`, the latest save's seconds, which the loop
+    records), and the grace left once a SIGTERM came (`received` is then true)."""
 
     def __init__(self, grace_s: float, rank: int):
         self.grace_s, self.rank = grace_s, rank
         # In the main thread (the loop run in-process) the handler is installed here and put
         # back by close(); in a Ray Train worker the callback installed it.
         self._replaced = install()
-        self.step_s, self.save_s = 0.0, 0.0
+        self.received = _notice  # the handler's record: empty until this process's first SIGTERM
+        self.save_s = 0.0
         self.seen_step: int | None = None
 
-    def observe(self, step_s: float | None = None, save_s: float | None = None) -> None:
-        """The latest step's and checkpoint's durations (what a preemption checkpoint costs)."""
-        if step_s is not None:
-            self.step_s = step_s
-        if save_s is not None:
-            self.save_s = save_s
-
-    def local(self, step: int) -> tuple[float, float, float]:
-        """(grace left, a step + a save, a save) in seconds, for the agreement after `step`."""
-        age = notice_age()
-        if age is not None and self.seen_step is None:
+    def grace_left(self, step: int) -> float:
+        """Seconds of grace left for the agreement after `step`, once `received` (the first call logs it)."""
+        if self.seen_step is None:
             self.seen_step = step
             log.warning("preemption: rank %d got SIGTERM during step %d; the group checkpoints at the next "
                         "agreed step boundary if it fits in workers.preemption_grace_s=%g s", self.rank, step,
                         self.grace_s)
-        left = NO_NOTICE if age is None else self.grace_s - age
-        return left, self.step_s + self.save_s, self.save_s
+        return self.grace_s - (time.monotonic() - self.received["at"])
 
     def close(self) -> None:
         """Put back the SIGTERM handler this object replaced."""

@@ -15,7 +15,7 @@ import importlib
 import shutil
 import time
 from pathlib import Path
-from typing import Any, ContextManager, Iterator, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,10 +34,13 @@ class Session(Protocol):
     world_size: int
     device: torch.device
 
+    # A wrapper's hook, called with the step's number before each step (tests and benchmarks inject
+    # faults and stamps there, `wrap`); None on the plain sessions: an ordinary step calls nothing.
+    before_step: Callable[[int], None] | None
+
     def latest_checkpoint(self) -> ContextManager[str | None]: ...
     def report(self, metrics: dict[str, Any], checkpoint_dir: str | None, dir_name: str | None,
                upload_async: bool = False) -> None: ...
-    def before_step(self, step: int) -> None: ...
 
 
 class LocalSession:
@@ -45,6 +48,8 @@ class LocalSession:
 
     As with Ray Train, a checkpoint reported for an asynchronous upload is the session's to
     delete once stored (here it is moved), and a synchronous one stays the caller's (copied)."""
+
+    before_step: Callable[[int], None] | None = None
 
     def __init__(self, root: str | Path, device: str = "cpu"):
         self.root = Path(root)
@@ -71,12 +76,11 @@ class LocalSession:
             else:
                 shutil.copytree(checkpoint_dir, stored)
 
-    def before_step(self, step: int) -> None:
-        pass
-
 
 class RaySession:
     """The loop's session inside a Ray Train worker (the only part of the loop that imports Ray)."""
+
+    before_step: Callable[[int], None] | None = None
 
     def __init__(self, validate: bool = False, upload_retry_s: float = 0.0) -> None:
         import ray.train
@@ -124,9 +128,6 @@ class RaySession:
         queue, deadline = get_train_context().get_result_queue(), time.monotonic() + timeout_s
         while not queue.empty() and time.monotonic() < deadline:
             time.sleep(0.1)
-
-    def before_step(self, step: int) -> None:
-        pass
 
 
 def wrap(session: Session, wrapper: str) -> Session:

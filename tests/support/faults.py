@@ -56,7 +56,8 @@ class FaultySession:
         return True
 
     def before_step(self, step: int) -> None:
-        self.inner.before_step(step)
+        if self.inner.before_step is not None:
+            self.inner.before_step(step)
         if self.mode == "upload" or step != self.step or self.rank != self.world_size - 1 or not self._fire(step):
             return
         if self.mode == "hang":
@@ -126,7 +127,8 @@ class GatedSession:
         return getattr(self.inner, name)
 
     def before_step(self, step: int) -> None:
-        self.inner.before_step(step)
+        if self.inner.before_step is not None:
+            self.inner.before_step(step)
         deadline = time.monotonic() + GATE_TIMEOUT_S
         while step > int(self.path.read_text() or 0):
             if time.monotonic() > deadline:

@@ -1,4 +1,4 @@
-"""Rounded rows (`token_batches.BatchLayout(row_multiple=)`, what CPU bf16 training uses): the extra pad
+"""Rounded rows (`feeder.BatchLayout(row_multiple=)`, what CPU bf16 training uses): the extra pad
 positions change nothing the step computes. Reference: the same model on unrounded rows, and its
 full (B, T, V) logits at the real positions."""
 
@@ -8,10 +8,9 @@ import numpy as np
 import torch
 
 from model import ModelConfig, NonPad, Transformer, label_smoothed_nll
-from pipeline.train import token_batches
+from pipeline.train import feeder
 from pipeline.train.corpus import Corpus
-from pipeline.train.token_batches import BatchLayout
-from pipeline.train.feeder import to_device
+from pipeline.train.feeder import BatchLayout, to_device
 
 
 def test_loss_and_gradients_with_rounded_rows_equal_the_unrounded_ones():
@@ -24,7 +23,7 @@ def test_loss_and_gradients_with_rounded_rows_equal_the_unrounded_ones():
     so, to = np.concatenate([[0], np.cumsum(src_lens)]), np.concatenate([[0], np.cumsum(tgt_lens)])
 
     def loss_and_grads(multiple: int):
-        b = to_device(token_batches.collate(np.arange(7),
+        b = to_device(feeder.collate(np.arange(7),
                                             Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
                                             BatchLayout(pad_id=0, bos_id=2, eos_id=3, row_multiple=multiple)),
                       torch.device("cpu"))
@@ -41,7 +40,7 @@ def test_loss_and_gradients_with_rounded_rows_equal_the_unrounded_ones():
     for a, b in zip(g1, g64):
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)
 
-    b = token_batches.collate(np.arange(7), Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
+    b = feeder.collate(np.arange(7), Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
                               BatchLayout(pad_id=0, bos_id=2, eos_id=3))  # reference: full logits, pad ignored
     full = model.logits(model(torch.from_numpy(b.src), torch.from_numpy(b.tgt_in)))
     ref, _ = label_smoothed_nll(full.reshape(-1, 40), torch.from_numpy(b.tgt_out).reshape(-1), epsilon=0.1,

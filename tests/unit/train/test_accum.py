@@ -14,10 +14,9 @@ import torch.multiprocessing as mp
 
 from model import ModelConfig, Transformer, label_smoothed_nll
 from pipeline.batch_plan import step_groups
-from pipeline.train import token_batches
+from pipeline.train import feeder
 from pipeline.train.corpus import Corpus
-from pipeline.train.token_batches import BatchLayout
-from pipeline.train.feeder import MicroBatch, to_device
+from pipeline.train.feeder import BatchLayout, MicroBatch, to_device
 from pipeline.train.step import LossSettings, TrainedModel, accumulate_gradients
 
 MC = ModelConfig(vocab_size=50, d_model=32, d_ff=64, n_heads=2, n_encoder_layers=1, n_decoder_layers=1,
@@ -35,7 +34,7 @@ def fixed_rows(n: int = 16, seed: int = 0):
 
 
 def micro(data, rows) -> MicroBatch:
-    b = token_batches.collate(np.asarray(rows),
+    b = feeder.collate(np.asarray(rows),
                               Corpus(**dict(zip(("src_values", "src_offsets", "tgt_values", "tgt_offsets"), data))),
                               BatchLayout(pad_id=0, bos_id=2, eos_id=3))
     return to_device(b, torch.device("cpu"))

@@ -7,9 +7,9 @@ import pytest
 
 from pipeline.batch_plan import step_groups
 
-from pipeline.train import token_batches
+from pipeline.train import feeder
 from pipeline.train.corpus import Corpus
-from pipeline.train.token_batches import BatchLayout
+from pipeline.train.feeder import BatchLayout
 
 
 def _lengths(n: int = 500, seed: int = 0, hi: int = 40) -> tuple[np.ndarray, np.ndarray]:
@@ -121,7 +121,7 @@ def test_collate_adds_specials_and_pads():
     # rows: 0 -> src [10, 11], tgt [20]; 1 -> src [12], tgt [21, 22, 23]
     src_values, src_offsets = np.array([10, 11, 12], np.int32), np.array([0, 2, 3])
     tgt_values, tgt_offsets = np.array([20, 21, 22, 23], np.int32), np.array([0, 1, 4])
-    b = token_batches.collate(np.array([1, 0]),
+    b = feeder.collate(np.array([1, 0]),
                               Corpus(src_values=src_values, src_offsets=src_offsets, tgt_values=tgt_values,
                                      tgt_offsets=tgt_offsets),
                               BatchLayout(pad_id=0, bos_id=2, eos_id=3))
@@ -144,9 +144,9 @@ def test_collate_rounds_the_computed_positions_up_with_pad_positions(multiple):
         n = int(rng.integers(1, 7))
         (sv, so), (tv, to) = _ragged(rng, n, 9), _ragged(rng, n, 9)
         rows = rng.permutation(n)
-        plain = token_batches.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
+        plain = feeder.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
                                       BatchLayout(pad_id=0, bos_id=2, eos_id=3))
-        b = token_batches.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
+        b = feeder.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
                                   BatchLayout(pad_id=0, bos_id=2, eos_id=3, row_multiple=multiple))
         for index, ids, real in ((b.src_index, b.src, plain.num_src_tokens), (b.tgt_index, b.tgt_in, plain.num_tgt_tokens)):
             assert len(index) % multiple == 0 and len(index) - real < multiple
@@ -165,12 +165,12 @@ def test_rounding_never_widens_past_the_models_positions():
     # One row of 6 source pieces (+ eos = 7 positions): rounding to 64 would need 57 more columns.
     values, offsets = np.arange(4, 10, dtype=np.int32), np.array([0, 6])
     ids = Corpus(src_values=values, src_offsets=offsets, tgt_values=values, tgt_offsets=offsets)
-    b = token_batches.collate(np.array([0]), ids,
+    b = feeder.collate(np.array([0]), ids,
                               BatchLayout(pad_id=0, bos_id=2, eos_id=3, row_multiple=64, max_width=16))
     assert b.src.shape == b.tgt_in.shape == (1, 16)
     assert len(b.src_index) == len(b.tgt_index) == 16  # as many as fit: 7 real + 9 pad, unrounded
     assert (b.src.reshape(-1)[b.src_index[7:]] == 0).all() and (b.target[7:] == 0).all()
-    longer = token_batches.collate(np.array([0]), ids,
+    longer = feeder.collate(np.array([0]), ids,
                                    BatchLayout(pad_id=0, bos_id=2, eos_id=3, row_multiple=64, max_width=4))
     assert longer.src.shape == (1, 7) and len(longer.src_index) == 7  # never narrower than the sentence
 

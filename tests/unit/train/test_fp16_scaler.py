@@ -14,12 +14,11 @@ import torch
 
 from model import ModelConfig, Transformer, make_optimizer, make_scheduler
 from pipeline.batch_plan import step_groups
-from pipeline.train import token_batches
-from pipeline.train.token_batches import BatchLayout
+from pipeline.train import feeder
+from pipeline.train.feeder import BatchLayout, to_device
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.corpus import load_corpus
 from pipeline.train.checkpoint import Progress
-from pipeline.train.feeder import to_device
 from pipeline.train.step import LossSettings, accumulate_gradients, optimizer_step
 from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import VOCAB, one_thread  # noqa: F401 (fixture)
@@ -38,7 +37,7 @@ def steps(tmp_path_factory) -> list[list]:
     out = []
     for g in plan:
         split = step_groups.split_step(g, d.src_len, d.tgt_len, 1, 200)
-        out.append([to_device(token_batches.collate(c, d,
+        out.append([to_device(feeder.collate(c, d,
                                                     BatchLayout(pad_id=MC.pad_id, bos_id=MC.bos_id, eos_id=MC.eos_id)),
                               torch.device("cpu"))
                     for c in split.chunks[0]])

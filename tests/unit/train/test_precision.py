@@ -11,7 +11,7 @@ import torch
 
 from pipeline.config import Config, ConfigError
 from pipeline.train import device as worker_device
-from pipeline.train import token_batches
+from pipeline.train import feeder
 from pipeline.train.loop import LocalSession, train_worker
 from pipeline.train.device import describe, resolve_precision
 from tests.support.synthetic import write_reverse_task
@@ -72,8 +72,8 @@ def test_probes_agree_with_the_kernels_cpu_flags():
 def test_a_bf16_cpu_run_is_autocast_and_tracks_fp32(tmp_path, monkeypatch):
     _cpu(monkeypatch, True, False)  # as on a bf16 CPU (emulated elsewhere: slower, same numbers)
     multiples: list[int] = []  # what the loop asks collate for: rows rounded to 64 in bf16 only
-    collate = token_batches.collate
-    monkeypatch.setattr(token_batches, "collate", lambda rows, data, layout: multiples.append(layout.row_multiple)
+    collate = feeder.collate
+    monkeypatch.setattr(feeder, "collate", lambda rows, data, layout: multiples.append(layout.row_multiple)
                         or collate(rows, data, layout))
     shards = (write_reverse_task(tmp_path / "train", 300, VOCAB, seed=0),
               write_reverse_task(tmp_path / "dev", 40, VOCAB, seed=1))

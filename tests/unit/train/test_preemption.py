@@ -86,10 +86,11 @@ def _rank(rank: int, port: int, notice_rank: int, notice_step: int, out) -> None
             time.sleep(0.01 * (rank + 1))  # the ranks reach each boundary at different times
             if rank == notice_rank and step == notice_step:
                 preemption._on_sigterm(signal.SIGTERM, None)
-            notice.observe(step_s=0.5 * (rank + 1), save_s=2.0 if rank == 0 else 0.0)
-            left, step_and_save, save = notice.local(step)
-            agreed = agreement.exchange(Local(grace_left_s=left, step_and_save_s=step_and_save, save_s=save),
-                                        blocking=False)  # an ordinary step: neither logs nor validates
+            notice.save_s = 2.0 if rank == 0 else 0.0
+            local = Local(step_and_save_s=0.5 * (rank + 1) + notice.save_s, save_s=notice.save_s)
+            if notice.received:
+                local.grace_left_s = notice.grace_left(step)
+            agreed = agreement.exchange(local, blocking=False)  # an ordinary step: neither logs nor validates
             stop, fits = verdict(agreed)
             if stop:
                 out.put((rank, step, fits))

@@ -12,12 +12,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import ModelConfig, NonPad, Transformer, make_optimizer
-from pipeline.train import token_batches
-from pipeline.train.token_batches import BatchLayout
+from pipeline.train import feeder
+from pipeline.train.feeder import BatchLayout, to_device
 from pipeline.train import checkpoint as train_checkpoint
 from pipeline.train.corpus import Corpus, load_corpus, load_shared_corpus
 from pipeline.train.loop import LocalSession, LoopSpec, Trainer, train_worker
-from pipeline.train.feeder import to_device
 from pipeline.train.step import LossSettings, accumulate_gradients
 from tests.support.synthetic import write_reverse_task
 from tests.unit.train.test_loop import VOCAB, tiny_spec
@@ -32,12 +31,12 @@ def shards(tmp_path_factory) -> tuple[Path, Path]:
             write_reverse_task(root / "dev", 40, VOCAB, seed=1))
 
 
-def _batch(rows=(0, 5, 7, 11)) -> token_batches.Batch:
+def _batch(rows=(0, 5, 7, 11)) -> feeder.Batch:
     rng = np.random.default_rng(0)
     lens = rng.integers(1, 9, size=12)
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     values = rng.integers(4, 50, size=int(offsets[-1])).astype(np.int32)
-    return token_batches.collate(np.asarray(rows),
+    return feeder.collate(np.asarray(rows),
                                  Corpus(src_values=values, src_offsets=offsets, tgt_values=values[::-1].copy(),
                                         tgt_offsets=offsets),
                                  BatchLayout(pad_id=PAD, bos_id=BOS, eos_id=EOS))
@@ -194,7 +193,7 @@ def test_compiled_model_trains_like_eager(shards, tmp_path):
     # aot_eager: TorchDynamo's graph capture and AOT autograd, without inductor's C++ codegen
     # (inductor works on this machine too, but its first compile takes ~90 s on 2 cores; the
     # GPU check, benchmarks/gpu_check.sh, runs inductor). A compiled model drops with PyTorch's
-    # dropout, so the eager reference does too (model.kernels.Dropout's CPU masks differ).
+    # dropout, so the eager reference does too (model.compute.Dropout's CPU masks differ).
     eager = Trainer(LoopSpec(**tiny_spec(shards, max_steps=3)), LocalSession(tmp_path / "eager"),
                     cpu_kernels=False).run()
     compiled = Trainer(LoopSpec(**tiny_spec(shards, max_steps=3, speed_compile=True, speed_compile_backend="aot_eager")),

@@ -1,4 +1,4 @@
-"""Micro-batches of stable shape (pipeline/batch_plan/shapes.py, `token_batches.BatchLayout(buckets=...)`):
+"""Micro-batches of stable shape (pipeline/batch_plan/shapes.py, `feeder.BatchLayout(buckets=...)`):
 the ladder against a hand-made table, the padded batch's step against the unpadded one's (the
 same loss and gradients, fp64), the loop with buckets on against off, and the shape count and
 padding over base's batch plan on a corpus of WMT14's size (4.5M pairs)."""
@@ -13,11 +13,10 @@ from model import ModelConfig, Transformer
 from pipeline.batch_plan.shapes import ShapeBuckets, ladder, real_shape
 from pipeline.config import Config
 from pipeline.plan import bill
-from pipeline.train import token_batches
+from pipeline.train import feeder
 from pipeline.train.corpus import Corpus
-from pipeline.train.token_batches import BatchLayout
+from pipeline.train.feeder import BatchLayout, to_device
 from pipeline.train.loop import LocalSession, train_worker
-from pipeline.train.feeder import to_device
 from pipeline.train.step import LossSettings, accumulate_gradients
 from tests.unit.train.test_loop import shards, tiny_spec  # noqa: F401 (a fixture)
 
@@ -54,9 +53,9 @@ def _corpus(n: int = 60, seed: int = 0):
 def test_bucketed_collate_pads_to_the_shape_and_keeps_the_real_tokens():
     sv, so, tv, to = _corpus()
     rows = np.array([3, 7, 11, 19, 23])
-    plain = token_batches.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
+    plain = feeder.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
                                   BatchLayout(pad_id=0, bos_id=2, eos_id=3))
-    b = token_batches.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
+    b = feeder.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
                               BatchLayout(pad_id=0, bos_id=2, eos_id=3, buckets=ShapeBuckets()))
     want = ShapeBuckets().shape(*real_shape(so[rows + 1] - so[rows], to[rows + 1] - to[rows]))
     assert b.src.shape + b.tgt_in.shape[1:] + (len(b.src_index), len(b.tgt_index)) == want
@@ -80,7 +79,7 @@ def test_a_bucketed_step_has_the_loss_and_gradients_of_the_unpadded_one():
     rows = np.array([1, 2, 5, 8, 13, 21, 34])
     results = []
     for buckets in (None, ShapeBuckets()):
-        b = token_batches.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
+        b = feeder.collate(rows, Corpus(src_values=sv, src_offsets=so, tgt_values=tv, tgt_offsets=to),
                                   BatchLayout(pad_id=mc.pad_id, bos_id=mc.bos_id, eos_id=mc.eos_id, buckets=buckets))
         model.zero_grad()
         loss, nll = accumulate_gradients(model, [to_device(b, torch.device("cpu"))], b.num_tgt_tokens, 1,
