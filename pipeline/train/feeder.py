@@ -52,8 +52,8 @@ class BatchLayout:
     buckets: ShapeBuckets | None = None  # pad to the bucketed shape instead (GPUs: `speed.shape_buckets`)
 
     @classmethod
-    def of(cls, mc, row_multiple: int = 1, buckets: ShapeBuckets | None = None) -> "BatchLayout":
-        """The layout of the model `mc` (a `model.ModelConfig`): its special ids, at most its positions."""
+    def of(cls, mc: ModelConfig, row_multiple: int = 1, buckets: ShapeBuckets | None = None) -> BatchLayout:
+        """The layout of the model `mc`: its special ids, at most its positions."""
         return cls(pad_id=mc.pad_id, bos_id=mc.bos_id, eos_id=mc.eos_id, row_multiple=row_multiple,
                    max_width=mc.max_positions, buckets=buckets)
 
