@@ -42,7 +42,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import getpass
 import logging
+import os
+import re
+import tempfile
 import time
 import typing
 from pathlib import Path
@@ -218,8 +222,36 @@ class CountingBackend:
         return self.inner(gm, example_inputs)
 
 
+# The inductor cache folder this process was started with (None: inductor's default). Read at
+# import: inductor writes its default into the environment the first time it looks for its cache
+# (`torch._dynamo.reset()` does), so the environment later no longer says whether the user chose it.
+_INDUCTOR_CACHE_AT_START = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def inductor_cache_per_capability() -> str | None:
+    """With `ATEN_CPU_CAPABILITY` set, and no `TORCHINDUCTOR_CACHE_DIR` when the process started:
+    a cache folder of its own for inductor, named by the capability; the folder, or None.
+
+    Inductor generates CPU code for the vector instructions `ATEN_CPU_CAPABILITY` names, but code it
+    cached under one value is loaded under another: on an AVX-512 machine (torch 2.13), a compiled
+    run under `ATEN_CPU_CAPABILITY=avx2` after one without it gave NaN losses, and the other way
+    round crashed. The switch is how this project shows the AVX2 class's numbers on an AVX-512
+    machine (docs/benchmarks.md), so each value gets its own cache."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    if not capability or _INDUCTOR_CACHE_AT_START is not None:
+        return None
+    try:
+        user = re.sub(r"[^A-Za-z0-9_.-]", "_", getpass.getuser())
+    except (KeyError, OSError):  # no name for this uid (a bare container)
+        user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "user"
+    folder = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}_aten_{capability}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder
+
+
 def compile_model(model: torch.nn.Module, backend: str = "inductor") -> tuple[torch.nn.Module, CountingBackend]:
     """(the compiled module, its counter). dynamic=True: batch shapes change every step."""
+    inductor_cache_per_capability()
     counter = CountingBackend(backend)
     # Process-wide, set before the first call compiles: a training process compiles the model only.
     torch.fx.experimental._config.use_duck_shape = False

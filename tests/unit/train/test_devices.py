@@ -5,6 +5,7 @@ and the fused output projection + loss trained against the plain one."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import numpy as np
 import pytest
@@ -76,3 +77,30 @@ def test_auto_settings_stay_off_on_a_cpu(shards, tmp_path):  # noqa: F811
     trainer = Trainer(LoopSpec(**tiny_spec(shards)), LocalSession(tmp_path))
     assert trainer.speed.compile == trainer.speed.shape_buckets == trainer.speed.fused_loss == "auto"
     assert trainer.device_setup.compiler is None and trainer.loss_settings.fused_output is None
+
+
+def test_a_capability_set_by_hand_compiles_into_an_inductor_cache_of_its_own(monkeypatch, tmp_path):
+    """Inductor loads CPU code cached under another `ATEN_CPU_CAPABILITY` (NaN losses, or a crash):
+    each value set by hand gets its own cache folder, before the model is compiled."""
+    monkeypatch.setattr(worker_device.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(worker_device, "_INDUCTOR_CACHE_AT_START", None)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert worker_device.inductor_cache_per_capability() is None  # no switch: inductor's own default
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+    folders = {}
+    for capability in ("avx2", "default"):
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+        # What inductor writes when it first looks for its cache (torch._dynamo.reset() does)
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torchinductor_default"))
+        worker_device.compile_model(torch.nn.Linear(2, 2), backend="eager")
+        folders[capability] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        assert folders[capability].startswith(str(tmp_path)) and folders[capability].endswith(f"_aten_{capability}")
+    assert folders["avx2"] != folders["default"]
+
+    # A folder the process was started with is the user's choice: kept
+    monkeypatch.setattr(worker_device, "_INDUCTOR_CACHE_AT_START", str(tmp_path / "mine"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert worker_device.inductor_cache_per_capability() is None
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
