@@ -236,7 +236,7 @@ def inductor_cache_per_capability() -> str | None:
     cached under one value is loaded under another: on an AVX-512 machine (torch 2.13), a compiled
     run under `ATEN_CPU_CAPABILITY=avx2` after one without it gave NaN losses, and the other way
     round crashed. The switch is how this project shows the AVX2 class's numbers on an AVX-512
-    machine (docs/benchmarks.md), so each value gets its own cache."""
+    machine (docs/testing.md), so each value gets its own cache."""
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
     if not capability or _INDUCTOR_CACHE_AT_START is not None:
         return None
